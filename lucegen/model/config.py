@@ -181,7 +181,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         cfg = cls.from_hf_dict(data, source=str(path))
         if cfg.name == "qwen3.5":
-            cfg = replace(cfg, name=path.parent.name if path.name == "config.json" else path.name.split(".config")[0])
+            cfg = replace(cfg, name=path.parent.name if path.name == "config.json" else path.name.removesuffix(".json").removesuffix(".config"))
         return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -253,10 +253,25 @@ class ModelConfig:
             bad(f"rotary dim {self.rotary_dim} (head_dim x partial_rotary_factor) must be even and <= head_dim")
 
 
-def load_config(path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
-    if isinstance(path_or_dict, Mapping):
-        return ModelConfig.from_hf_dict(path_or_dict)
-    return ModelConfig.from_json(path_or_dict)
+BUNDLED_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_MODEL = "qwen3.5-0.8b"
+
+
+def bundled_models() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None) -> ModelConfig:
+    """A config from a dict, a bundled model name (default qwen3.5-0.8b), a config.json or a checkpoint folder."""
+    if isinstance(source, Mapping):
+        return ModelConfig.from_hf_dict(source)
+    source = DEFAULT_MODEL if source is None else source
+    path = Path(source)
+    if not path.exists() and (BUNDLED_DIR / f"{source}.json").exists():
+        path = BUNDLED_DIR / f"{source}.json"
+    if not path.exists():
+        raise ConfigError(f"{source}: no such file or folder, and not a bundled model ({', '.join(bundled_models())})")
+    return ModelConfig.from_json(path)
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:

@@ -1,0 +1,103 @@
+"""The `lucegen` command line: build, specs, doctor, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .model.config import ConfigError, load_config
+from .spec import SpecError, all_specs, load_spec, match_device
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from .codegen.build import build, resource_table
+    from .kernels import all_units
+    spec = load_spec(args.spec)
+    model = load_config(args.model)
+    t0 = time.perf_counter()
+    result = build(spec, model, all_units(spec, model), arch=args.arch)
+    cached = sum(u.cached for u in result.units)
+    print(f"lucegen build: spec {spec.name} ({result.arch}), model {model.name}: {len(result.units)} units, "
+          f"{len(result.kernels)} kernels ({cached} units from cache) in {time.perf_counter() - t0:.2f} s")
+    print(f"  -> {result.directory}/manifest.json\n")
+    print(resource_table(result))
+    spills = [k.name for k in result.kernels if k.spill_stores or k.spill_loads]
+    if spills:
+        print(f"\nwarning: register spills in {', '.join(spills)}", file=sys.stderr)
+    return 0
+
+
+def cmd_specs(args: argparse.Namespace) -> int:
+    rows = [("spec", "arch", "SMs", "memory", "bandwidth", "megakernel", "DDTree", "KV")]
+    for s in all_specs():
+        c, t = s.chip, s.tuning
+        rows.append((s.name, c.arch, str(c.sm_count), f"{c.memory_bytes / 2**30:.0f} GiB",
+                     f"{c.read_gbs:.0f} GB/s", f"{t.megakernel.blocks}x{t.megakernel.threads}",
+                     str(t.ddtree.budget), t.kv_format))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .codegen import nvrtc
+    from .runtime import driver
+    from .spec import supported_archs
+    ok = True
+    try:
+        print(f"NVRTC        {nvrtc.version()}  (archs: {', '.join(supported_archs())})")
+        print(f"CUDA headers {'; '.join(nvrtc.include_dirs())}")
+    except Exception as e:
+        ok = False
+        print(f"NVRTC        unusable: {e}")
+    try:
+        info = driver.device_info()
+    except driver.NoDriverError as e:
+        print(f"driver       none: {e}")
+        print("GPU          none (build works; running kernels needs an NVIDIA GPU)")
+        return 0 if ok else 1
+    spec = match_device(info.arch, info.sm_count, info.memory_bytes)
+    print(f"driver       CUDA {info.driver_version}")
+    print(f"GPU          {info.name}, {info.arch}, {info.sm_count} SMs, {info.memory_bytes / 2**30:.0f} GiB, "
+          f"L2 {info.l2_bytes >> 20} MiB")
+    print(f"spec         {spec.path if spec else 'none matches: emulate one with --arch ' + info.arch}")
+    return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    from .bench import gemv
+    from .bench.results import Recorder
+    from .runtime import device_info
+    rec = Recorder(gpu=device_info().name, out=Path(args.results) if args.results else None)
+    {"gemv": gemv.run}[args.suite](rec)
+    print(f"results appended to {rec.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lucegen", description="LLM inference kernels generated per chip")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="render and compile every kernel for a spec and a model")
+    b.add_argument("--spec", default="h200", help="specs/<chip>.yaml or a bare chip name (default h200)")
+    b.add_argument("--model", default=None, help="bundled model name, config.json or checkpoint folder "
+                                                 "(default qwen3.5-0.8b)")
+    b.add_argument("--arch", default=None, help="compile for this arch instead of the spec's (emulation)")
+    b.set_defaults(fn=cmd_build)
+    sub.add_parser("specs", help="list the chip specs").set_defaults(fn=cmd_specs)
+    sub.add_parser("doctor", help="check NVRTC, headers, driver and GPU").set_defaults(fn=cmd_doctor)
+    bench = sub.add_parser("bench", help="benchmarks on this machine's GPU; results go to results/<gpu>.jsonl")
+    bench.add_argument("suite", choices=["gemv"])
+    bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
+    bench.set_defaults(fn=cmd_bench)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (SpecError, ConfigError) as e:
+        print(f"lucegen: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Loaded cubins and kernel launches (plain and cooperative)."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .driver import _drv, call, context
+from .memory import DeviceArray
+
+Dim = int | tuple[int, ...]
+
+
+def _dim3(d: Dim) -> tuple[int, int, int]:
+    t = (d,) if isinstance(d, int) else tuple(d)
+    return (*t, *(1,) * (3 - len(t)))  # type: ignore[return-value]
+
+
+def _params(args: Sequence[Any]):
+    """Kernel parameters as cuda-python's (values, ctypes types) pair."""
+    values, types = [], []
+    for a in args:
+        if isinstance(a, DeviceArray):
+            values.append(a.ptr); types.append(ctypes.c_void_p)
+        elif isinstance(a, (bool, np.bool_)):
+            values.append(int(a)); types.append(ctypes.c_int)
+        elif isinstance(a, (int, np.integer)):
+            values.append(int(a)); types.append(ctypes.c_int)
+        elif isinstance(a, (float, np.floating)):
+            values.append(float(a)); types.append(ctypes.c_float)
+        elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], type):
+            values.append(a[0]); types.append(a[1])   # explicit (value, ctypes type), e.g. (n, c_int64)
+        else:
+            raise TypeError(f"cannot pass {type(a).__name__} to a kernel")
+    return tuple(values), tuple(types)
+
+
+class Kernel:
+    def __init__(self, module: "Module", name: str):
+        self.module, self.name = module, name
+        self.handle = call("cuModuleGetFunction", module.handle, name.encode())
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        drv = _drv()
+        call("cuFuncSetAttribute", self.handle,
+             drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+
+    def max_active_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
+        return call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self.handle, threads, dynamic_smem)
+
+    def __call__(self, grid: Dim, block: Dim, *args: Any, smem: int = 0, stream=None,
+                 cooperative: bool = False) -> None:
+        g, b = _dim3(grid), _dim3(block)
+        h = stream.handle if stream is not None else 0
+        if cooperative:
+            call("cuLaunchCooperativeKernel", self.handle, *g, *b, smem, h, _params(args))
+        else:
+            call("cuLaunchKernel", self.handle, *g, *b, smem, h, _params(args), 0)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+
+class Module:
+    """A cubin loaded into the current context; kernels are looked up by name and cached."""
+
+    def __init__(self, image: bytes, name: str = "<cubin>"):
+        context()
+        self.name = name
+        self.handle = call("cuModuleLoadData", image)
+        self._kernels: dict[str, Kernel] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Module":
+        path = Path(path)
+        return cls(path.read_bytes(), str(path))
+
+    def kernel(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name)
+        return self._kernels[name]
+
+    __getitem__ = kernel
+
+    def unload(self) -> None:
+        if self.handle is not None:
+            call("cuModuleUnload", self.handle)
+            self.handle = None

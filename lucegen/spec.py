@@ -1,0 +1,289 @@
+"""Chip specs: one YAML per GPU, validated on load.
+
+A spec holds the chip's facts (arch, SM count, shared memory, registers, memory, bandwidth) and the tuning choices
+the kernels are rendered with (block counts, threads, DDTree budget, KV format, ...). Every error names the file,
+the key (as a dotted path) and the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+KV_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "tq3_0")
+WEIGHT_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+# Archs lucegen renders kernels for. NVRTC is asked as well (supported_archs) when it can be loaded.
+KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used. The message names the file, the key and the reason."""
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Facts about the silicon (from the vendor's datasheet or the device's own properties)."""
+    arch: str                   # e.g. sm_90
+    sm_count: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    regs_per_sm: int
+    smem_per_sm: int            # bytes of shared memory per SM
+    smem_per_block: int         # bytes a block may opt in to
+    l2_bytes: int
+    memory_bytes: int
+    bandwidth_gbs: float        # datasheet DRAM bandwidth
+    measured_read_gbs: float | None = None   # a measured pure-read rate on this chip, where we have one
+
+    @property
+    def cc(self) -> int:
+        """Compute capability as an integer: sm_90 -> 90."""
+        return int(self.arch.removeprefix("sm_").rstrip("a"))
+
+    @property
+    def read_gbs(self) -> float:
+        """The bandwidth ceiling benchmarks compare with: measured where known, else the datasheet's."""
+        return self.measured_read_gbs or self.bandwidth_gbs
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A grid shape: blocks (0 = as many as the chip co-schedules) and threads per block."""
+    threads: int
+    blocks: int = 0
+
+
+@dataclass(frozen=True)
+class GemvTuning:
+    threads: int = 256
+    rows_per_warp: int = 2      # rows one warp reduces at once: independent 16-byte loads in flight
+    blocks_per_sm: int = 4
+
+
+@dataclass(frozen=True)
+class MegakernelTuning:
+    blocks: int
+    threads: int
+    prefetch_distance: int = 1  # phases ahead whose weights idle blocks pull into L2
+
+
+@dataclass(frozen=True)
+class DDTreeTuning:
+    budget: int = 22
+    chain_seed: bool = True
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Tuning:
+    megakernel: MegakernelTuning
+    gemv: GemvTuning = field(default_factory=GemvTuning)
+    norm: Launch = field(default_factory=lambda: Launch(threads=256))
+    argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
+    ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
+    kv_format: str = "bf16"
+    weight_formats: tuple[str, ...] = ("bf16",)
+    max_context: int = 32768
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    name: str
+    description: str
+    chip: Chip
+    tuning: Tuning
+    path: Path | None = field(default=None, compare=False)
+
+    def with_arch(self, arch: str) -> "ChipSpec":
+        """The same spec compiled for another arch (emulation: a 3090 spec's kernels on an H200)."""
+        check_arch(arch, str(self.path or self.name), "arch override")
+        return dataclasses.replace(self, chip=dataclasses.replace(self.chip, arch=arch))
+
+    def max_coresident_blocks(self, threads: int, regs_per_thread: int = 0, smem: int = 0) -> int:
+        """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs)."""
+        c = self.chip
+        per_sm = min(c.max_blocks_per_sm, c.max_threads_per_sm // threads)
+        if regs_per_thread:
+            per_sm = min(per_sm, c.regs_per_sm // (regs_per_thread * threads))
+        if smem:
+            per_sm = min(per_sm, c.smem_per_sm // smem)
+        return per_sm * c.sm_count
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("path")
+        return d
+
+
+# ---- loading and validation ---------------------------------------------------------------------------------
+
+def _fail(source: str, key: str, reason: str) -> typing.NoReturn:
+    raise SpecError(f"{source}: {key}: {reason}")
+
+
+def supported_archs() -> tuple[str, ...]:
+    """Archs the installed NVRTC can compile for (falls back to KNOWN_ARCHS when NVRTC cannot be loaded)."""
+    try:
+        from cuda.bindings import nvrtc
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+        if int(err) == 0:
+            return tuple(f"sm_{a}" for a in archs)
+    except Exception:  # NVRTC not loadable here: validate against the static list
+        pass
+    return KNOWN_ARCHS
+
+
+def check_arch(arch: Any, source: str, key: str) -> str:
+    if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+a?", arch):
+        _fail(source, key, f"expected an arch like 'sm_90', got {arch!r}")
+    base = arch.rstrip("a")
+    if base not in supported_archs():
+        _fail(source, key, f"{arch} is not supported by the installed NVRTC (supports {', '.join(supported_archs())})")
+    return arch
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    if not isinstance(data, Mapping):
+        _fail(source, prefix.rstrip(".") or "<top>", f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "path"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        _fail(source, f"{prefix}{unknown[0]}", f"unknown key (known keys here: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                _fail(source, key, "missing required key")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], source, key)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, source, key + ".")
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, source, key)
+    if origin is tuple:
+        if not isinstance(value, list):
+            _fail(source, key, f"expected a list, got {type(value).__name__}")
+        (inner, _) = typing.get_args(tp)
+        return tuple(_convert(inner, v, source, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(source, key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(source, key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(source, key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(source, key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"spec schema has an unsupported type {tp} at {key}")  # a bug in this module, not the YAML
+
+
+def _check_launch(spec: ChipSpec, source: str, key: str, threads: int, blocks: int) -> None:
+    if threads % 32 or not 32 <= threads <= 1024:
+        _fail(source, f"{key}.threads", f"{threads} must be a multiple of 32 between 32 and 1024")
+    limit = spec.max_coresident_blocks(threads)
+    if blocks < 0 or blocks > limit:
+        _fail(source, f"{key}.blocks",
+              f"{blocks} blocks of {threads} threads cannot all be co-resident on {spec.chip.sm_count} SMs "
+              f"(at most {limit})")
+
+
+def validate(spec: ChipSpec, source: str) -> ChipSpec:
+    c, t = spec.chip, spec.tuning
+    check_arch(c.arch, source, "chip.arch")
+    for name in ("sm_count", "max_threads_per_sm", "max_blocks_per_sm", "regs_per_sm", "smem_per_sm",
+                 "smem_per_block", "l2_bytes", "memory_bytes"):
+        if getattr(c, name) <= 0:
+            _fail(source, f"chip.{name}", f"must be positive, got {getattr(c, name)}")
+    if c.smem_per_block > c.smem_per_sm:
+        _fail(source, "chip.smem_per_block", f"{c.smem_per_block} exceeds smem_per_sm {c.smem_per_sm}")
+    if c.bandwidth_gbs <= 0:
+        _fail(source, "chip.bandwidth_gbs", f"must be positive, got {c.bandwidth_gbs}")
+    if c.measured_read_gbs is not None and not 0 < c.measured_read_gbs <= c.bandwidth_gbs * 1.05:
+        _fail(source, "chip.measured_read_gbs", f"{c.measured_read_gbs} is not within the datasheet's {c.bandwidth_gbs}")
+    mk = t.megakernel
+    if mk.blocks <= 0:
+        _fail(source, "tuning.megakernel.blocks", "a persistent kernel needs at least one block")
+    _check_launch(spec, source, "tuning.megakernel", mk.threads, mk.blocks)
+    if mk.prefetch_distance < 0:
+        _fail(source, "tuning.megakernel.prefetch_distance", "must be >= 0")
+    _check_launch(spec, source, "tuning.norm", t.norm.threads, t.norm.blocks)
+    _check_launch(spec, source, "tuning.argmax", t.argmax.threads, t.argmax.blocks)
+    _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)
+    if not 1 <= t.gemv.rows_per_warp <= 8:
+        _fail(source, "tuning.gemv.rows_per_warp", f"{t.gemv.rows_per_warp} must be between 1 and 8")
+    if t.kv_format not in KV_FORMATS:
+        _fail(source, "tuning.kv_format", f"{t.kv_format!r} is not one of {', '.join(KV_FORMATS)}")
+    if t.kv_format == "fp8" and c.cc < 89:
+        _fail(source, "tuning.kv_format", f"fp8 KV needs sm_89 or newer; this chip is {c.arch}")
+    for i, wf in enumerate(t.weight_formats):
+        if wf not in WEIGHT_FORMATS:
+            _fail(source, f"tuning.weight_formats[{i}]", f"{wf!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if not 1 <= t.ddtree.budget <= 1024:
+        _fail(source, "tuning.ddtree.budget", f"{t.ddtree.budget} must be between 1 and 1024")
+    if t.ddtree.block_size < 2:
+        _fail(source, "tuning.ddtree.block_size", "must be at least 2")
+    if t.max_context < 1024:
+        _fail(source, "tuning.max_context", f"{t.max_context} is below the 1024-token minimum")
+    return spec
+
+
+def load_spec(path: str | Path) -> ChipSpec:
+    """Load and validate a spec. `path` may also be a bare name ('h200') found in specs/."""
+    p = Path(path)
+    if not p.exists() and not p.suffix and (SPECS_DIR / f"{p.name}.yaml").exists():
+        p = SPECS_DIR / f"{p.name}.yaml"
+    source = str(p)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{source}: no such spec file (specs available: {', '.join(list_specs())})") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source}: not valid YAML: {e}") from None
+    spec = _build(ChipSpec, data, source, "")
+    return validate(dataclasses.replace(spec, path=p), source)
+
+
+def list_specs() -> list[str]:
+    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+
+
+def all_specs() -> list[ChipSpec]:
+    return [load_spec(SPECS_DIR / f"{n}.yaml") for n in list_specs()]
+
+
+def match_device(arch: str, sm_count: int, memory_bytes: int) -> ChipSpec | None:
+    """The spec describing a device: same arch and SM count, nearest memory size (H100 80 GB vs H200 141 GB)."""
+    candidates = [s for s in all_specs() if s.chip.arch == arch and s.chip.sm_count == sm_count]
+    return min(candidates, key=lambda s: abs(s.chip.memory_bytes - memory_bytes), default=None)
+
+
+def spec_for_current_device() -> ChipSpec:
+    """The spec of the GPU in this machine; an unknown GPU gets the H200 spec emulated at its arch."""
+    from .runtime.driver import device_info
+    info = device_info()
+    return match_device(info.arch, info.sm_count, info.memory_bytes) or load_spec("h200").with_arch(info.arch)

@@ -1,0 +1,75 @@
+// common.cuh: types, vector loads and reductions shared by every lucegen kernel.
+#pragma once
+#include <cuda_bf16.h>
+
+
+namespace lucegen {
+
+using bf16 = __nv_bfloat16;
+
+// 16-byte load of data read once (weights): bypass L1, ask L2 for the whole 256-byte sector group.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Eight bf16 packed in a uint4 -> dot product with eight other bf16, accumulated in fp32.
+__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
+    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 fa = __bfloat1622float2(a2[i]);
+        const float2 fb = __bfloat1622float2(b2[i]);
+        acc = fmaf(fa.x, fb.x, acc);
+        acc = fmaf(fa.y, fb.y, acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block of THREADS threads; every thread gets the result. `scratch` holds THREADS/32 floats.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    constexpr int WARPS = THREADS / 32;
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < WARPS ? scratch[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// (value, index) pair ordered as numpy's argmax: larger value wins, the lower index breaks ties.
+struct ArgMax {
+    float value;
+    int index;
+};
+
+// The identity of argmax_pick: loses to every value, -inf included (its index is past any real one).
+__device__ __forceinline__ ArgMax argmax_none() { return ArgMax{-__int_as_float(0x7f800000), 0x7fffffff}; }
+
+__device__ __forceinline__ ArgMax argmax_pick(ArgMax a, ArgMax b) {
+    const bool take_b = b.value > a.value || (b.value == a.value && b.index < a.index);
+    return take_b ? b : a;
+}
+
+__device__ __forceinline__ ArgMax warp_argmax(ArgMax a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax b{__shfl_xor_sync(0xffffffffu, a.value, o), __shfl_xor_sync(0xffffffffu, a.index, o)};
+        a = argmax_pick(a, b);
+    }
+    return a;
+}
+
+}  // namespace lucegen

@@ -1,0 +1,102 @@
+"""Chip specs: every shipped spec loads; a bad spec is an error naming the file, the key and the reason."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lucegen.spec import SPECS_DIR, SpecError, all_specs, list_specs, load_spec, match_device
+
+SHIPPED = ("rtx3090", "rtx4090", "rtx5090", "a100", "h100", "h200")
+
+
+def test_every_chip_has_a_valid_spec():
+    assert set(SHIPPED) <= set(list_specs())
+    for spec in all_specs():
+        assert spec.tuning.megakernel.blocks <= spec.max_coresident_blocks(spec.tuning.megakernel.threads)
+        assert spec.chip.read_gbs > 0
+
+
+def test_bare_name_finds_the_spec():
+    assert load_spec("h200").path == SPECS_DIR / "h200.yaml"
+
+
+def test_h200_and_h100_are_told_apart_by_memory():
+    assert match_device("sm_90", 132, 141 * 10**9).name == "h200"
+    assert match_device("sm_90", 132, 80 * 2**30).name == "h100"
+    assert match_device("sm_75", 40, 16 * 2**30) is None
+
+
+def _write(tmp_path: Path, mutate) -> Path:
+    data = yaml.safe_load((SPECS_DIR / "h200.yaml").read_text())
+    mutate(data)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def _set(path: str, value):
+    def mutate(d):
+        *parents, leaf = path.split(".")
+        for k in parents:
+            d = d[k]
+        d[leaf] = value
+    return mutate
+
+
+def _delete(path: str):
+    def mutate(d):
+        *parents, leaf = path.split(".")
+        for k in parents:
+            d = d[k]
+        del d[leaf]
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, key, reason", [
+    (_set("chip.warp_size", 32), "chip.warp_size", "unknown key"),
+    (_set("tuning.megakernel.blocks", "many"), "tuning.megakernel.blocks", "expected an integer"),
+    (_set("tuning.megakernel.blocks", 10_000), "tuning.megakernel.blocks", "cannot all be co-resident"),
+    (_set("tuning.megakernel.threads", 100), "tuning.megakernel.threads", "multiple of 32"),
+    (_set("chip.arch", "sm_42"), "chip.arch", "not supported by the installed NVRTC"),
+    (_set("chip.arch", "ampere"), "chip.arch", "expected an arch"),
+    (_set("tuning.kv_format", "int2"), "tuning.kv_format", "is not one of"),
+    (_set("tuning.weight_formats", ["bf16", "iq1_s"]), "tuning.weight_formats[1]", "is not one of"),
+    (_set("tuning.ddtree.budget", 0), "tuning.ddtree.budget", "between 1 and 1024"),
+    (_set("tuning.ddtree.chain_seed", "yes"), "tuning.ddtree.chain_seed", "expected true or false"),
+    (_set("chip.smem_per_block", 10**7), "chip.smem_per_block", "exceeds smem_per_sm"),
+    (_set("chip.measured_read_gbs", 9000.0), "chip.measured_read_gbs", "datasheet"),
+    (_delete("chip.sm_count"), "chip.sm_count", "missing required key"),
+    (_set("tuning.gemv", [256]), "tuning.gemv", "expected a mapping"),
+])
+def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
+    path = _write(tmp_path, mutate)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    msg = str(e.value)
+    assert str(path) in msg and f": {key}:" in msg and reason in msg, msg
+
+
+def test_fp8_kv_needs_ada_or_newer(tmp_path):
+    def mutate(d):
+        d["chip"]["arch"] = "sm_86"
+        d["tuning"]["kv_format"] = "fp8"
+    with pytest.raises(SpecError, match=r"tuning.kv_format: fp8 KV needs sm_89"):
+        load_spec(_write(tmp_path, mutate))
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("chip: [unclosed\n")
+    with pytest.raises(SpecError, match=r"broken.yaml: not valid YAML"):
+        load_spec(p)
+    with pytest.raises(SpecError, match=r"no such spec file"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+def test_emulation_keeps_the_chip_but_changes_the_arch():
+    spec = load_spec("rtx3090").with_arch("sm_90")
+    assert spec.chip.arch == "sm_90" and spec.chip.sm_count == 82 and spec.tuning.kv_format == "q8_0"
+    with pytest.raises(SpecError, match="arch override"):
+        load_spec("rtx3090").with_arch("sm_1")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the lab GPU run does, in one call: GPU tests, HF parity, benchmarks. Logs and results go to $OUT.
+#   LUCEGEN_COMMIT=<sha> OUT=<dir> bash tools/gpu_check.sh [stage ...]   (stages: tests parity bench; default all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lucegen-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".wheels/*.whl" >/dev/null; then   # packages the GPU image lacks (gguf), carried as wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+stages=${*:-tests parity bench}
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
+    | tee "$OUT/nvidia-smi.txt"
+python3 -m lucegen.cli doctor | tee "$OUT/doctor.txt"
+for stage in $stages; do
+    echo "=== $stage"
+    case $stage in
+        tests)  python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt"
+                status=$((status | ${PIPESTATUS[0]})) ;;
+        parity) python3 tools/hf_parity.py --out "$OUT" 2>&1 | tee "$OUT/hf-parity.txt"
+                status=$((status | ${PIPESTATUS[0]})) ;;
+        bench)  python3 -m lucegen.cli bench gemv --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/bench-gemv.txt"
+                status=$((status | ${PIPESTATUS[0]})) ;;
+        *)      echo "unknown stage $stage"; status=1 ;;
+    esac
+done
+exit $status
