@@ -71,7 +71,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.results import Recorder
     from .runtime import device_info
     rec = Recorder(gpu=device_info().name, out=Path(args.results) if args.results else None)
-    {"gemv": gemv.run}[args.suite](rec)
+    if args.suite == "gemv":
+        gemv.run(rec, tune=args.tune)
     print(f"results appended to {rec.out}")
     return 0
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks on this machine's GPU; results go to results/<gpu>.jsonl")
     bench.add_argument("suite", choices=["gemv"])
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
+    bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
     bench.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     try:

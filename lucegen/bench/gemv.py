@@ -11,8 +11,10 @@ import numpy as np
 from ..codegen.build import build
 from ..kernels import gemv
 from ..model.config import tiny_config
+import dataclasses
+
 from ..runtime import DeviceArray, Stream, device_info
-from ..spec import spec_for_current_device
+from ..spec import ChipSpec, spec_for_current_device
 from .results import Recorder
 from .timing import median_ms
 
@@ -44,7 +46,29 @@ def _torch_peer(n: int, k: int, copies: int):
     return float(np.median(times))
 
 
-def run(recorder: Recorder | None = None) -> None:
+def sweep(spec: ChipSpec, stream: Stream) -> None:
+    """Time the LM-head shape for several tunings (rows per warp x blocks per SM) and print a table."""
+    n, k = SHAPES["lm_head"]
+    rng = np.random.default_rng(1)
+    w = DeviceArray.from_numpy(rng.standard_normal((n, k), dtype=np.float32).astype(ml_dtypes.bfloat16))
+    x = DeviceArray.from_numpy(rng.standard_normal(k, dtype=np.float32).astype(ml_dtypes.bfloat16))
+    y = DeviceArray.empty(n, np.float32)
+    print("rows/warp  blocks/SM  threads     us     GB/s  of read")
+    for threads in (128, 256, 512):
+        for rows in (1, 2, 4):
+            for bps in (2, 4, 8, 16):
+                if bps * threads > spec.chip.max_threads_per_sm:
+                    continue
+                g = dataclasses.replace(spec.tuning.gemv, rows_per_warp=rows, blocks_per_sm=bps, threads=threads)
+                s = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, gemv=g))
+                op = gemv.Gemv(build(s, tiny_config(), gemv.units(s, tiny_config(), [k])).module("gemv_bf16"), s, k)
+                ms = median_ms(lambda st: op(w, x, y, stream=st), stream, warmup_s=0.1)
+                gbs = (n * k * 2) / (ms * 1e-3) / 1e9
+                print(f"{rows:9d}  {bps:9d}  {threads:7d}  {ms * 1e3:6.1f}  {gbs:7.0f}  {gbs / spec.chip.read_gbs:6.1%}")
+    w.free()
+
+
+def run(recorder: Recorder | None = None, tune: bool = False) -> None:
     spec = spec_for_current_device()
     info = device_info()
     rec = recorder or Recorder(gpu=info.name)
@@ -55,6 +79,8 @@ def run(recorder: Recorder | None = None) -> None:
     op = gemv.Gemv(result.module("gemv_bf16"), spec, 1024)
     rng = np.random.default_rng(0)
     stream = Stream()
+    if tune:
+        sweep(spec, stream)
     for label, (n, k) in SHAPES.items():
         copies = 1 if label == "lm_head" else ROTATE
         host = rng.standard_normal((n, k), dtype=np.float32).astype(ml_dtypes.bfloat16)
