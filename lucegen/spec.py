@@ -60,11 +60,17 @@ class Launch:
     blocks: int = 0
 
 
+GEMV_METHODS = ("ldg", "bulk")
+
+
 @dataclass(frozen=True)
 class GemvTuning:
+    method: str = "ldg"         # ldg: 16-byte loads from registers; bulk: copy-engine tiles into shared memory (sm_90+)
     threads: int = 256
-    rows_per_warp: int = 2      # rows one warp reduces at once: independent 16-byte loads in flight
+    rows_per_warp: int = 2      # ldg: rows one warp reduces at once (independent 16-byte loads in flight)
     blocks_per_sm: int = 4
+    tile_bytes: int = 16384     # bulk: bytes per shared-memory tile (whole rows)
+    stages: int = 4             # bulk: tiles in flight per block
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,9 @@ class ChipSpec:
 
     def with_arch(self, arch: str) -> "ChipSpec":
         """The same spec compiled for another arch (emulation: a 3090 spec's kernels on an H200)."""
-        check_arch(arch, str(self.path or self.name), "arch override")
-        return dataclasses.replace(self, chip=dataclasses.replace(self.chip, arch=arch))
+        source = f"{self.path or self.name} emulated at {arch}"
+        check_arch(arch, source, "arch override")
+        return validate(dataclasses.replace(self, chip=dataclasses.replace(self.chip, arch=arch)), source)
 
     def max_coresident_blocks(self, threads: int, regs_per_thread: int = 0, smem: int = 0) -> int:
         """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs)."""
@@ -236,6 +243,15 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)
     if not 1 <= t.gemv.rows_per_warp <= 8:
         _fail(source, "tuning.gemv.rows_per_warp", f"{t.gemv.rows_per_warp} must be between 1 and 8")
+    if t.gemv.method not in GEMV_METHODS:
+        _fail(source, "tuning.gemv.method", f"{t.gemv.method!r} is not one of {', '.join(GEMV_METHODS)}")
+    if t.gemv.method == "bulk" and c.cc < 90:
+        _fail(source, "tuning.gemv.method", f"bulk copies need sm_90 or newer; this chip is {c.arch}")
+    if not 2 <= t.gemv.stages <= 8:
+        _fail(source, "tuning.gemv.stages", f"{t.gemv.stages} must be between 2 and 8")
+    if t.gemv.tile_bytes % 16 or t.gemv.stages * t.gemv.tile_bytes > c.smem_per_block:
+        _fail(source, "tuning.gemv.tile_bytes", f"{t.gemv.stages} stages of {t.gemv.tile_bytes} bytes must be "
+              f"16-byte multiples fitting the {c.smem_per_block} bytes of shared memory a block may use")
     if t.kv_format not in KV_FORMATS:
         _fail(source, "tuning.kv_format", f"{t.kv_format!r} is not one of {', '.join(KV_FORMATS)}")
     if t.kv_format == "fp8" and c.cc < 89:

@@ -30,6 +30,41 @@ __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     return acc;
 }
 
+// Eight fp32 values: an activation chunk staged in shared memory, the fp32 counterpart of a uint4 of eight bf16.
+struct f32x8 {
+    float4 lo, hi;
+};
+
+// Eight bf16 weights dot eight fp32 activations, in fp32.
+__device__ __forceinline__ float dot8_bf16(uint4 w, f32x8 x) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 a = __bfloat1622float2(w2[0]), b = __bfloat1622float2(w2[1]);
+    const float2 c = __bfloat1622float2(w2[2]), d = __bfloat1622float2(w2[3]);
+    float acc = a.x * x.lo.x;
+    acc = fmaf(a.y, x.lo.y, acc);
+    acc = fmaf(b.x, x.lo.z, acc);
+    acc = fmaf(b.y, x.lo.w, acc);
+    acc = fmaf(c.x, x.hi.x, acc);
+    acc = fmaf(c.y, x.hi.y, acc);
+    acc = fmaf(d.x, x.hi.z, acc);
+    return fmaf(d.y, x.hi.w, acc);
+}
+
+// K fp32 values in shared memory, split into 16-byte halves so that a warp reading consecutive chunks touches
+// consecutive 16-byte words (no bank conflicts): values 8c..8c+3 at quad c, values 8c+4..8c+7 at quad K/8 + c.
+template <int K>
+struct StagedF32 {
+    static_assert(K % 8 == 0, "staged vectors are whole 8-value chunks");
+    float4* quads;  // 2 * (K / 8) float4
+    // The slot of values 4q..4q+3 (q < K/4).
+    __device__ __forceinline__ float4& quad(int q) const { return quads[(q & 1) * (K / 8) + (q >> 1)]; }
+    __device__ __forceinline__ f32x8 operator[](int c) const { return f32x8{quads[c], quads[K / 8 + c]}; }
+};
+
+// Loads of data other blocks of the same launch wrote: served by L2 (the point of coherence), never by a stale L1.
+__device__ __forceinline__ float4 load_coherent(const float4* p) { return __ldcg(p); }
+__device__ __forceinline__ float load_coherent(const float* p) { return __ldcg(p); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

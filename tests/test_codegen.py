@@ -39,14 +39,14 @@ def test_the_model_shape_is_rendered_into_the_kernels(tmp_path):
 
 
 def test_cache_hits_on_the_same_source_and_misses_on_another_arch(tmp_path):
-    spec, model = load_spec("h200"), tiny_config()
+    spec, model = load_spec("rtx3090"), tiny_config()
     first = build(spec, model, all_units(spec, model), root=tmp_path)
     again = build(spec, model, all_units(spec, model), root=tmp_path)
     assert not any(u.cached for u in first.units) and all(u.cached for u in again.units)
     assert [u.key for u in first.units] == [u.key for u in again.units]
-    other = build(spec, model, all_units(spec, model), arch="sm_80", root=tmp_path)
+    other = build(spec, model, all_units(spec, model), arch="sm_90", root=tmp_path)
     assert not any(u.cached for u in other.units)
-    assert other.directory.name == model.name and other.directory.parent.name == "h200-sm_80"
+    assert other.directory.name == model.name and other.directory.parent.name == "rtx3090-sm_90"
     assert not (set(u.key for u in other.units) & set(u.key for u in first.units))
 
 

@@ -69,6 +69,8 @@ def _delete(path: str):
     (_set("chip.measured_read_gbs", 9000.0), "chip.measured_read_gbs", "datasheet"),
     (_delete("chip.sm_count"), "chip.sm_count", "missing required key"),
     (_set("tuning.gemv", [256]), "tuning.gemv", "expected a mapping"),
+    (_set("tuning.gemv.method", "tma"), "tuning.gemv.method", "is not one of"),
+    (_set("tuning.gemv.tile_bytes", 200_000), "tuning.gemv.tile_bytes", "fitting the"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
     path = _write(tmp_path, mutate)
@@ -81,9 +83,15 @@ def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
 def test_fp8_kv_needs_ada_or_newer(tmp_path):
     def mutate(d):
         d["chip"]["arch"] = "sm_86"
+        d["tuning"]["gemv"]["method"] = "ldg"
         d["tuning"]["kv_format"] = "fp8"
     with pytest.raises(SpecError, match=r"tuning.kv_format: fp8 KV needs sm_89"):
         load_spec(_write(tmp_path, mutate))
+
+
+def test_copy_engine_gemv_needs_hopper(tmp_path):
+    with pytest.raises(SpecError, match=r"tuning.gemv.method: bulk copies need sm_90"):
+        load_spec(_write(tmp_path, _set("chip.arch", "sm_89")))
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):
@@ -100,3 +108,5 @@ def test_emulation_keeps_the_chip_but_changes_the_arch():
     assert spec.chip.arch == "sm_90" and spec.chip.sm_count == 82 and spec.tuning.kv_format == "q8_0"
     with pytest.raises(SpecError, match="arch override"):
         load_spec("rtx3090").with_arch("sm_1")
+    with pytest.raises(SpecError, match=r"emulated at sm_80: tuning.gemv.method: bulk copies need sm_90"):
+        load_spec("h200").with_arch("sm_80")

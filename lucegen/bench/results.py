@@ -51,6 +51,6 @@ class Recorder:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         with open(self.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        ratio = f"  ({value / limit:.1%} of the limit {limit:g} {unit})" if limit else ""
+        ratio = f"  (limit {limit:.4g} {unit}: {value / limit:.1%})" if limit else ""
         print(f"  {metric:<28} {model:<22} {value:>12.4g} {unit}{ratio}")
         return row

@@ -49,6 +49,7 @@ class KernelReport:
     spill_loads: int
     stack_bytes: int
     static_smem: int
+    dynamic_smem: int
     coresident_blocks: int
     cooperative: bool
 
@@ -102,12 +103,12 @@ def _compile_cached(unit: KernelUnit, source: str, source_path: Path, arch: str,
     if cubin_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         resources = {k: nvrtc.KernelResources(**v) for k, v in meta["resources"].items()}
-        return key, cubin_path.read_bytes(), resources, True
+        return key, cubin_path.read_bytes(), resources, meta["log"], True
     compiled = nvrtc.compile_cubin(source, source_path.name, arch, options, headers(), source_path)
     write_atomic(cubin_path, compiled.cubin)
     write_atomic(meta_path, json.dumps({"log": compiled.log, "resources": {
         k: dataclasses.asdict(v) for k, v in compiled.resources.items()}}, indent=1))
-    return key, compiled.cubin, compiled.resources, False
+    return key, compiled.cubin, compiled.resources, compiled.log, False
 
 
 def build(spec: ChipSpec, model: ModelConfig, units: Sequence[KernelUnit], arch: str | None = None,
@@ -129,20 +130,21 @@ def build(spec: ChipSpec, model: ModelConfig, units: Sequence[KernelUnit], arch:
         source = render(unit, banner)
         source_path = directory / f"{unit.name}.cu"
         write_atomic(source_path, source)
-        key, cubin, resources, cached = _compile_cached(unit, source, source_path, arch, root / "cache")
+        key, cubin, resources, log, cached = _compile_cached(unit, source, source_path, arch, root / "cache")
         cubin_path = directory / f"{unit.name}.cubin"
         write_atomic(cubin_path, cubin)
         reports = []
         for sig in unit.kernels:
             r = resources.get(sig.name)
             if r is None:
-                raise nvrtc.CompileError(f"{source_path}: kernel {sig.name} is listed but was not compiled")
+                raise nvrtc.CompileError(f"{source_path}: no ptxas report for kernel {sig.name}; "
+                                         f"NVRTC {nvrtc.version()} log:\n{log}")
             regs = -(-r.registers // 8) * 8  # registers are allocated in groups of 8 per thread
             reports.append(KernelReport(
                 unit=unit.name, name=sig.name, threads=sig.threads, registers=r.registers,
                 spill_stores=r.spill_stores, spill_loads=r.spill_loads, stack_bytes=r.stack_bytes,
-                static_smem=r.static_smem, cooperative=sig.cooperative,
-                coresident_blocks=spec.max_coresident_blocks(sig.threads, regs, r.static_smem)))
+                static_smem=r.static_smem, dynamic_smem=sig.dynamic_smem, cooperative=sig.cooperative,
+                coresident_blocks=spec.max_coresident_blocks(sig.threads, regs, r.static_smem + sig.dynamic_smem)))
         results.append(UnitResult(unit, source_path, cubin_path, key, cached, tuple(reports)))
     result = BuildResult(spec, model, arch, directory, tuple(results))
     write_atomic(directory / "manifest.json", json.dumps(_manifest(result), indent=1))
@@ -167,7 +169,7 @@ def _manifest(result: BuildResult) -> dict:
 def resource_table(result: BuildResult) -> str:
     head = ("kernel", "threads", "regs", "spill st/ld", "stack", "smem", "co-resident")
     rows = [(k.name, str(k.threads), str(k.registers), f"{k.spill_stores}/{k.spill_loads}", str(k.stack_bytes),
-             str(k.static_smem), str(k.coresident_blocks)) for k in result.kernels]
+             str(k.static_smem + k.dynamic_smem), str(k.coresident_blocks)) for k in result.kernels]
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)])

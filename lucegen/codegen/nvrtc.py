@@ -108,17 +108,22 @@ def _explain(log: str, files: Mapping[str, tuple[Path, str]]) -> str:
     return "\n".join(out)
 
 
-_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_PROPS = re.compile(r"Function properties for (\w+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
 def parse_ptxas(log: str) -> dict[str, KernelResources]:
-    """Registers, spills, stack and static shared memory of each entry function, from `ptxas -v` output."""
+    """Registers, spills, stack and static shared memory of each entry function, from `ptxas -v` output.
+
+    Each function's report is a "Function properties for <name>" line, its stack/spill line and, for entry
+    functions, its "Used N registers" line; the report is keyed by that name, so the order in which ptxas
+    interleaves "Compiling entry function" lines does not matter.
+    """
     out: dict[str, KernelResources] = {}
     current, frame = None, (0, 0, 0)
     for line in log.splitlines():
-        if m := _ENTRY.search(line):
+        if m := _PROPS.search(line):
             current, frame = m.group(1), (0, 0, 0)
         elif current and (m := _FRAME.search(line)):
             frame = tuple(int(g) for g in m.groups())

@@ -11,6 +11,7 @@ class KernelSig:
     name: str
     threads: int
     cooperative: bool = False
+    dynamic_smem: int = 0
 
 
 @dataclass(frozen=True)

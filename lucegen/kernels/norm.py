@@ -5,14 +5,13 @@ import numpy as np
 
 from ..codegen.unit import KernelSig, KernelUnit
 from ..model.config import ModelConfig
+from ..reference.ops import rms_norm
 from ..spec import ChipSpec
 
 
 def reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """y = x * rsqrt(mean(x^2) + eps) * (1 + w), in float32 over the last axis."""
-    x = x.astype(np.float32)
-    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-    return x * rstd * (1.0 + w.astype(np.float32))
+    """y = x * rsqrt(mean(x^2) + eps) * (1 + w) in float32: the model reference's norm on upcast inputs."""
+    return rms_norm(x.astype(np.float32), w.astype(np.float32), eps)
 
 
 def widths(model: ModelConfig) -> list[int]:

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import dataclasses
+
 from lucegen.codegen.build import build
-from lucegen.kernels import argmax, gemv, norm
+from lucegen.kernels import argmax, gemv, memread, norm
 from lucegen.model.config import tiny_config
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import spec_for_current_device
@@ -31,9 +33,28 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 def kernels(tmp_path_factory):
     spec = spec_for_current_device()
     model = tiny_config()
-    units = [*norm.units(spec, model, NORM_WIDTHS), *gemv.units(spec, model, GEMV_KS), *argmax.units(spec, model)]
+    units = [*norm.units(spec, model, NORM_WIDTHS), *gemv.units(spec, model, GEMV_KS), *argmax.units(spec, model),
+             *memread.units(spec)]
     result = build(spec, model, units, root=tmp_path_factory.mktemp("build"))
     return spec, {u.unit.name: result.module(u.unit.name) for u in result.units}
+
+
+def gemv_methods():
+    spec = spec_for_current_device()
+    return [m for m in ("ldg", "bulk") if m == "ldg" or spec.chip.cc >= 90]
+
+
+@pytest.fixture(scope="module", params=["ldg", "bulk"])
+def gemv_ops(request, tmp_path_factory):
+    """{K: Gemv} for one GEMV method (the copy-engine variant only where the GPU has one)."""
+    spec = spec_for_current_device()
+    if request.param not in gemv_methods():
+        pytest.skip(f"{request.param} GEMV needs sm_90; this GPU is {spec.chip.arch}")
+    g = dataclasses.replace(spec.tuning.gemv, method=request.param)
+    spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, gemv=g))
+    result = build(spec, tiny_config(), gemv.units(spec, tiny_config(), GEMV_KS), root=tmp_path_factory.mktemp("g"))
+    module = result.module("gemv_bf16")
+    return {k: gemv.Gemv(module, spec, k) for k in GEMV_KS}
 
 
 def poisoned(shape, dtype) -> DeviceArray:
@@ -44,13 +65,12 @@ def poisoned(shape, dtype) -> DeviceArray:
 
 @SETTINGS
 @given(k=st.sampled_from(GEMV_KS), n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1))
-def test_gemv_matches_numpy(kernels, k, n, seed):
-    spec, mods = kernels
+def test_gemv_matches_numpy(gemv_ops, k, n, seed):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k), dtype=np.float32).astype(BF16)
     x = rng.standard_normal(k, dtype=np.float32).astype(BF16)
     y = poisoned(n, np.float32)
-    gemv.Gemv(mods["gemv_bf16"], spec, k)(DeviceArray.from_numpy(w), DeviceArray.from_numpy(x), y)
+    gemv_ops[k](DeviceArray.from_numpy(w), DeviceArray.from_numpy(x), y)
     ref = gemv.reference(w, x).astype(np.float64)
     assert rel_err(y.numpy(), ref) < 1e-5  # fp32 accumulation of exact bf16 products
 
@@ -84,3 +104,13 @@ def test_argmax_matches_numpy_including_ties(kernels, n, ties, seed):
         op(DeviceArray.from_numpy(v), out)
         assert int(out.numpy()[0]) == argmax.reference(v)
     synchronize()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.integers(1, 3_000_000), seed=st.integers(0, 2**32 - 1))
+def test_read_xor_reads_every_word(kernels, words, seed):
+    spec, mods = kernels
+    data = np.random.default_rng(seed).integers(0, 2**32, size=4 * words, dtype=np.uint32)
+    op = memread.ReadXor(mods["memread"], spec)
+    op.launch(DeviceArray.from_numpy(data))
+    assert op.result() == memread.reference(data)
