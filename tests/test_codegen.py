@@ -38,12 +38,17 @@ def test_the_model_shape_is_rendered_into_the_kernels(tmp_path):
     assert "rmsnorm_1p_h96" in names and "gemv_bf16_k96" in names
 
 
-def test_cache_hits_on_the_same_source_and_misses_on_another_arch(tmp_path):
+def test_cache_hits_on_the_same_source_and_misses_on_another_arch(tmp_path, monkeypatch):
+    from lucegen.codegen import build as build_mod
+    monkeypatch.setattr(build_mod, "_COMPILED", {})  # forget what this process compiled: only the disk cache
     spec, model = load_spec("rtx3090"), tiny_config()
     first = build(spec, model, all_units(spec, model), root=tmp_path)
     again = build(spec, model, all_units(spec, model), root=tmp_path)
     assert not any(u.cached for u in first.units) and all(u.cached for u in again.units)
     assert [u.key for u in first.units] == [u.key for u in again.units]
+    monkeypatch.setattr(build_mod, "_COMPILED", {})
+    again_from_disk = build(spec, model, all_units(spec, model), root=tmp_path)
+    assert all(u.cached for u in again_from_disk.units)
     other = build(spec, model, all_units(spec, model), arch="sm_90", root=tmp_path)
     assert not any(u.cached for u in other.units)
     assert other.directory.name == model.name and other.directory.parent.name == "rtx3090-sm_90"

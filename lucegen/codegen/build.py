@@ -95,20 +95,30 @@ def _key(source: str, options: Sequence[str], arch: str) -> str:
     return h.hexdigest()
 
 
+# Compiled in this process, by key. NVRTC is not asked twice for the same source: on the lab GPU's image a repeat
+# compile of an identical program returned an empty ptxas report (its registers and spills then go missing).
+_COMPILED: dict[str, tuple[bytes, dict, str]] = {}
+
+
 def _compile_cached(unit: KernelUnit, source: str, source_path: Path, arch: str, cache: Path):
+    """(key, cubin, resources, ptxas log, came from a cache) for one rendered unit."""
     options = [*nvrtc.base_options(arch), *unit.options]
     key = _key(source, options, arch)
+    if key in _COMPILED:
+        return key, *_COMPILED[key], True
     cubin_path = cache / key[:2] / f"{key}.cubin"
     meta_path = cubin_path.with_suffix(".json")
     if cubin_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         resources = {k: nvrtc.KernelResources(**v) for k, v in meta["resources"].items()}
-        return key, cubin_path.read_bytes(), resources, meta["log"], True
+        _COMPILED[key] = (cubin_path.read_bytes(), resources, meta["log"])
+        return key, *_COMPILED[key], True
     compiled = nvrtc.compile_cubin(source, source_path.name, arch, options, headers(), source_path)
     write_atomic(cubin_path, compiled.cubin)
     write_atomic(meta_path, json.dumps({"log": compiled.log, "resources": {
         k: dataclasses.asdict(v) for k, v in compiled.resources.items()}}, indent=1))
-    return key, compiled.cubin, compiled.resources, compiled.log, False
+    _COMPILED[key] = (compiled.cubin, dict(compiled.resources), compiled.log)
+    return key, *_COMPILED[key], False
 
 
 def build(spec: ChipSpec, model: ModelConfig, units: Sequence[KernelUnit], arch: str | None = None,
