@@ -262,7 +262,8 @@ def bundled_models() -> list[str]:
 
 
 def load_config(source: str | Path | Mapping[str, Any] | None = None) -> ModelConfig:
-    """A config from a dict, a bundled model name (default qwen3.5-0.8b), a config.json or a checkpoint folder."""
+    """A config from a dict, a bundled model name (default qwen3.5-0.8b), a config.json, a checkpoint folder or
+    a GGUF file."""
     if isinstance(source, Mapping):
         return ModelConfig.from_hf_dict(source)
     source = DEFAULT_MODEL if source is None else source
@@ -271,6 +272,9 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None) -> ModelCo
         path = BUNDLED_DIR / f"{source}.json"
     if not path.exists():
         raise ConfigError(f"{source}: no such file or folder, and not a bundled model ({', '.join(bundled_models())})")
+    if path.suffix == ".gguf":
+        from .gguf_file import load_gguf
+        return load_gguf(path).config
     return ModelConfig.from_json(path)
 
 

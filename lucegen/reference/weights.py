@@ -1,6 +1,6 @@
-"""Weight names and shapes of a Qwen3.5 text model, and deterministic random weights for tests and checkpoints.
+"""Deterministic random weights of a Qwen3.5 text model, for tests and checkpoints.
 
-Names are HF's with the "model.language_model." prefix stripped ("embed_tokens.weight",
+Names (lucegen.model.weights.weight_shapes) are HF's with the "model.language_model." prefix stripped ("embed_tokens.weight",
 "layers.0.linear_attn.in_proj_qkv.weight", "norm.weight", "lm_head.weight"), values in HF conventions:
 zero-centred (1 + w) norms except the DeltaNet output norm, A_log (not -exp(A_log)), value heads grouped by key head.
 """
@@ -12,50 +12,8 @@ from typing import Mapping
 
 import numpy as np
 
-from lucegen.model.config import LINEAR, ModelConfig
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every text-model tensor: embeddings, layer by layer, final norm, lm_head (absent when tied)."""
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    shapes = {"embed_tokens.weight": (V, H)}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == LINEAR:
-            mixer = {
-                "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H),
-                "linear_attn.in_proj_z.weight": (cfg.value_dim, H),
-                "linear_attn.in_proj_b.weight": (Hv, H),
-                "linear_attn.in_proj_a.weight": (Hv, H),
-                "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-                "linear_attn.dt_bias": (Hv,),
-                "linear_attn.A_log": (Hv,),
-                "linear_attn.norm.weight": (dv,),
-                "linear_attn.out_proj.weight": (H, cfg.value_dim),
-            }
-        else:
-            hd = cfg.head_dim
-            mixer = {
-                "self_attn.q_proj.weight": (cfg.q_proj_rows, H),
-                "self_attn.k_proj.weight": (cfg.kv_dim, H),
-                "self_attn.v_proj.weight": (cfg.kv_dim, H),
-                "self_attn.o_proj.weight": (H, cfg.num_attention_heads * hd),
-                "self_attn.q_norm.weight": (hd,),
-                "self_attn.k_norm.weight": (hd,),
-            }
-        layer = {
-            "input_layernorm.weight": (H,),
-            **mixer,
-            "post_attention_layernorm.weight": (H,),
-            "mlp.gate_proj.weight": (I, H),
-            "mlp.up_proj.weight": (I, H),
-            "mlp.down_proj.weight": (H, I),
-        }
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
-    shapes["norm.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
-    return shapes
+from lucegen.model.config import ModelConfig
+from lucegen.model.weights import weight_shapes
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
