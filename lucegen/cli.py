@@ -6,6 +6,7 @@ import sys
 import time
 
 from .model.config import ConfigError, load_config
+from .serve import register as register_run_serve
 from .spec import SpecError, all_specs, load_spec, match_device
 
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
     bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
     bench.set_defaults(fn=cmd_bench)
+    register_run_serve(sub)  # run, serve
     args = p.parse_args(argv)
     try:
         return args.fn(args)

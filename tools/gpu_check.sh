@@ -20,7 +20,7 @@ for stage in $stages; do
     case $stage in
         tests)  python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.txt"
                 status=$((status | ${PIPESTATUS[0]})) ;;
-        parity) python3 tools/hf_parity.py --out "$OUT" 2>&1 | tee "$OUT/hf-parity.txt"
+        parity) python3 tools/hf_parity.py tiny ratio3 qwen3.5-0.8b --out "$OUT" 2>&1 | tee "$OUT/hf-parity.txt"
                 status=$((status | ${PIPESTATUS[0]})) ;;
         bench)  python3 -m lucegen.cli bench gemv --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/bench-gemv.txt"
                 status=$((status | ${PIPESTATUS[0]})) ;;

@@ -1,0 +1,35 @@
+"""The engine interface: one sequence's state and the two forward operations every backend provides.
+
+Backends: `numpy` (lucegen.reference, slow, the truth; runs anywhere) and `cuda` (the generated kernels). Sampling,
+speculative decoding, `lucegen run` and `lucegen serve` are written against this interface only, so they run and are
+tested on the numpy backend in CI and on the cuda backend on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..model.config import ModelConfig
+
+
+class ContextOverflow(ValueError):
+    """A prompt or generation that would not fit the engine's context."""
+
+
+class Engine(Protocol):
+    config: ModelConfig
+    max_context: int  # tokens the state can hold
+
+    @property
+    def position(self) -> int:
+        """Tokens already in the state (the position the next token will take)."""
+
+    def reset(self) -> None:
+        """Forget the sequence: empty KV cache, zero conv and recurrent state, position 0."""
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens` to the state; return the float32 logits [vocab] after the last one."""
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token; return the float32 logits [vocab] after it."""

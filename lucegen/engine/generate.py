@@ -1,0 +1,138 @@
+"""The generation loop: one loop serves `lucegen run`, `lucegen serve` and the tests.
+
+Context rule: the prompt plus max_tokens must fit the engine's context (max_context), as in OpenAI's API. A request
+that asks for more is rejected with ContextOverflow, not silently cut; when max_tokens is not given, the output may
+fill the rest of the context.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..model.tokenizer import Tokenizer
+from .base import ContextOverflow, Engine
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Generation:
+    """The outcome of one generate() call. finish_reason: "stop" (an EOS token or a stop string), "length"
+    (max_tokens reached) or "cancelled" (the cancellation check said so; no client is left to tell)."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float  # from the end of the prefill to the last output token
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Output tokens after the first (each one decode step) per second."""
+        steps = self.completion_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+
+def check_request(engine: Engine, prompt_ids: Sequence[int], max_tokens: int | None) -> int:
+    """The number of tokens to generate at most: max_tokens checked against the context, or all the room left
+    when it is None. Raises ContextOverflow, or ValueError for an empty prompt or a token outside the vocabulary."""
+    n, context, vocab = len(prompt_ids), engine.max_context, engine.config.vocab_size
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    outside = [t for t in prompt_ids if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    room = context - n
+    if room < 1:
+        raise ContextOverflow(f"the prompt has {n} tokens, but the context holds {context} tokens including "
+                              f"the output")
+    if max_tokens is not None and max_tokens > room:
+        raise ContextOverflow(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceed the context of "
+                              f"{context} tokens: max_tokens can be at most {room}")
+    return room if max_tokens is None else max_tokens
+
+
+class _StopText:
+    """Releases text as soon as it cannot be the start of a stop string; cuts the text before the first one."""
+
+    def __init__(self, stop: Sequence[str], on_text: Callable[[str], None] | None):
+        if any(not s for s in stop):
+            raise ValueError("a stop string must not be empty")
+        self.stop, self.on_text = tuple(stop), on_text
+        self.held = ""  # text that may be the start of a stop string
+        self.pieces: list[str] = []
+
+    def add(self, piece: str) -> bool:
+        """Take a piece of text; True when a stop string is complete (the text before it has been released)."""
+        self.held += piece
+        hits = [i for i in (self.held.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self._release(self.held[:min(hits)])
+            self.held = ""
+            return True
+        keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        self._release(self.held[:len(self.held) - keep])
+        self.held = self.held[len(self.held) - keep:]
+        return False
+
+    def flush(self) -> None:
+        self._release(self.held)
+        self.held = ""
+
+    def _release(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+            if self.on_text:
+                self.on_text(text)
+
+
+def generate(engine: Engine, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_tokens: int | None = None,
+             sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), *, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None,
+             cancelled: Callable[[], bool] = lambda: False) -> Generation:
+    """Generate from an empty state (the engine is reset first) until an EOS token (the tokenizer's and the
+    config's; not with ignore_eos), a stop string, max_tokens, or `cancelled()` (checked before the prefill and
+    between tokens). Text goes to `on_text` piece by piece as it becomes final: whole characters, never a stop
+    string or text after one."""
+    max_tokens = check_request(engine, prompt_ids, max_tokens)
+    eos = set() if ignore_eos else {*tokenizer.eos_token_ids, engine.config.eos_token_id} - {None}
+    text = _StopText(stop, on_text)
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=True)
+    sampler = Sampler(sampling)
+    engine.reset()
+    tokens: list[int] = []
+    start = first = time.perf_counter()
+    finish, at_stop_string = "cancelled", False
+    if not cancelled():
+        logits = engine.prefill(prompt_ids)
+        first = time.perf_counter()
+        while True:
+            tokens.append(sampler(logits))
+            if tokens[-1] in eos:
+                finish = "stop"
+                break
+            if text.add(detokenizer.feed(tokens[-1])):
+                finish, at_stop_string = "stop", True
+                break
+            if len(tokens) == max_tokens:
+                finish = "length"
+                break
+            if cancelled():
+                break
+            logits = engine.decode(tokens[-1])
+    if not at_stop_string:  # what the detokenizer and the stop check still hold
+        if text.add(detokenizer.finish()):
+            finish = "stop"
+        text.flush()
+    return Generation("".join(text.pieces), tokens, finish, len(prompt_ids), first - start,
+                      time.perf_counter() - first)

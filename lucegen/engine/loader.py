@@ -1,0 +1,57 @@
+"""Open a model for generation: an HF snapshot folder, a .gguf file or a hub id -> (engine, tokenizer).
+
+Backends are registered by name in BACKENDS: a function (weights, max_context, spec) -> Engine, where `weights`
+is the lazily read checkpoint (lucegen.model.weights.LazyWeights, with .config; a GGUF one also has .raw() for the
+quantized bytes) and `spec` the chip spec name or path given with --spec (None when not given). None marks a
+backend that is planned but not written yet.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..model.tokenizer import Tokenizer
+from ..model.weights import LazyWeights, open_weights
+from .base import Engine
+
+
+class LoadError(ValueError):
+    """A model that cannot be opened with the options given."""
+
+
+def _numpy(weights: LazyWeights, max_context: int | None, spec: str | None) -> Engine:
+    if spec is not None:
+        raise LoadError(f"--spec {spec}: a chip spec selects the cuda backend's kernels; the numpy backend has none")
+    from .numpy_backend import NumpyEngine
+    return NumpyEngine(weights, weights.config, max_context)
+
+
+BACKENDS: dict[str, Callable[[LazyWeights, int | None, str | None], Engine] | None] = {
+    "numpy": _numpy,
+    "cuda": None,  # the generated-kernel engine (decode megakernel): not written yet
+}
+
+
+def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | None = None,
+               spec: str | None = None, draft: str | Path | None = None,
+               tokenizer: str | Path | None = None) -> tuple[Engine, Tokenizer]:
+    """The engine and tokenizer of `model`. The tokenizer comes from `tokenizer` (a folder), else the snapshot
+    folder, else (for a .gguf) the folder the file is in."""
+    if backend not in BACKENDS:
+        raise LoadError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    if BACKENDS[backend] is None:
+        available = ", ".join(name for name, make in BACKENDS.items() if make)
+        raise LoadError(f"the {backend} backend is not available yet (available: {available})")
+    if draft is not None:
+        raise LoadError(f"--draft {draft}: speculative decoding is not available yet")
+    weights = open_weights(model)
+    folder = tokenizer or (Path(model).parent if str(model).endswith(".gguf") else weights.dir)
+    return BACKENDS[backend](weights, max_context, spec), Tokenizer.from_dir(folder)
+
+
+def model_name(model: str | Path) -> str:
+    """The name a model is served under by default: its folder's (or .gguf file's) name, or the hub id."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
+    return str(model)

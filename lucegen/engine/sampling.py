@@ -1,0 +1,73 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), seeded per request.
+
+`filtered_probs` is the distribution itself, kept separate so that speculative decoding can accept or reject draft
+tokens against exactly the distribution plain sampling draws from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..reference.ops import argmax
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy (the first maximum, as the reference and every kernel break ties); top_k 0 and
+    top_p 1 turn those filters off; seed makes a request draw the same tokens every time (None: fresh entropy)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
+
+
+def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The float64 distribution [vocab] a token is drawn from.
+
+    softmax(logits / temperature), restricted to the logits >= the k-th largest (top_k > 0; ties with the k-th are
+    kept), then to the smallest set of most probable tokens whose mass reaches top_p (equal probabilities ordered
+    by lower id first), renormalized. temperature 0 gives the greedy one-hot on the first maximum.
+    """
+    logits = np.asarray(logits, np.float64)
+    probs = np.zeros_like(logits)
+    if temperature == 0:
+        probs[argmax(logits)] = 1
+        return probs
+    z = logits / temperature
+    if 0 < top_k < z.size:
+        z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
+        probs[order[mass_before >= top_p]] = 0
+        probs /= probs.sum()
+    return probs
+
+
+class Sampler:
+    """Draws one request's tokens, from its own numpy Generator."""
+
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return argmax(logits)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        return int(self.rng.choice(probs.size, p=probs))
