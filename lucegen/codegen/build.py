@@ -45,8 +45,8 @@ class KernelReport:
     name: str
     threads: int
     registers: int
-    spill_stores: int
-    spill_loads: int
+    spill_stores: int | None
+    spill_loads: int | None
     stack_bytes: int
     static_smem: int
     dynamic_smem: int
@@ -95,30 +95,21 @@ def _key(source: str, options: Sequence[str], arch: str) -> str:
     return h.hexdigest()
 
 
-# Compiled in this process, by key. NVRTC is not asked twice for the same source: on the lab GPU's image a repeat
-# compile of an identical program returned an empty ptxas report (its registers and spills then go missing).
-_COMPILED: dict[str, tuple[bytes, dict, str]] = {}
-
-
 def _compile_cached(unit: KernelUnit, source: str, source_path: Path, arch: str, cache: Path):
-    """(key, cubin, resources, ptxas log, came from a cache) for one rendered unit."""
+    """(key, cubin, resources, came from the cache) for one rendered unit."""
     options = [*nvrtc.base_options(arch), *unit.options]
     key = _key(source, options, arch)
-    if key in _COMPILED:
-        return key, *_COMPILED[key], True
     cubin_path = cache / key[:2] / f"{key}.cubin"
     meta_path = cubin_path.with_suffix(".json")
     if cubin_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         resources = {k: nvrtc.KernelResources(**v) for k, v in meta["resources"].items()}
-        _COMPILED[key] = (cubin_path.read_bytes(), resources, meta["log"])
-        return key, *_COMPILED[key], True
+        return key, cubin_path.read_bytes(), resources, True
     compiled = nvrtc.compile_cubin(source, source_path.name, arch, options, headers(), source_path)
     write_atomic(cubin_path, compiled.cubin)
     write_atomic(meta_path, json.dumps({"log": compiled.log, "resources": {
         k: dataclasses.asdict(v) for k, v in compiled.resources.items()}}, indent=1))
-    _COMPILED[key] = (compiled.cubin, dict(compiled.resources), compiled.log)
-    return key, *_COMPILED[key], False
+    return key, compiled.cubin, compiled.resources, False
 
 
 def build(spec: ChipSpec, model: ModelConfig, units: Sequence[KernelUnit], arch: str | None = None,
@@ -140,15 +131,14 @@ def build(spec: ChipSpec, model: ModelConfig, units: Sequence[KernelUnit], arch:
         source = render(unit, banner)
         source_path = directory / f"{unit.name}.cu"
         write_atomic(source_path, source)
-        key, cubin, resources, log, cached = _compile_cached(unit, source, source_path, arch, root / "cache")
+        key, cubin, resources, cached = _compile_cached(unit, source, source_path, arch, root / "cache")
         cubin_path = directory / f"{unit.name}.cubin"
         write_atomic(cubin_path, cubin)
         reports = []
         for sig in unit.kernels:
             r = resources.get(sig.name)
             if r is None:
-                raise nvrtc.CompileError(f"{source_path}: no ptxas report for kernel {sig.name}; "
-                                         f"NVRTC {nvrtc.version()} log:\n{log}")
+                raise nvrtc.CompileError(f"{source_path}: kernel {sig.name} is listed but not in the cubin")
             regs = -(-r.registers // 8) * 8  # registers are allocated in groups of 8 per thread
             reports.append(KernelReport(
                 unit=unit.name, name=sig.name, threads=sig.threads, registers=r.registers,
@@ -178,7 +168,8 @@ def _manifest(result: BuildResult) -> dict:
 
 def resource_table(result: BuildResult) -> str:
     head = ("kernel", "threads", "regs", "spill st/ld", "stack", "smem", "co-resident")
-    rows = [(k.name, str(k.threads), str(k.registers), f"{k.spill_stores}/{k.spill_loads}", str(k.stack_bytes),
+    spills = lambda k: "?" if k.spill_stores is None else f"{k.spill_stores}/{k.spill_loads}"
+    rows = [(k.name, str(k.threads), str(k.registers), spills(k), str(k.stack_bytes),
              str(k.static_smem + k.dynamic_smem), str(k.coresident_blocks)) for k in result.kernels]
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

@@ -19,8 +19,8 @@ class CompileError(RuntimeError):
 @dataclass(frozen=True)
 class KernelResources:
     registers: int
-    spill_stores: int
-    spill_loads: int
+    spill_stores: int | None  # None: not reported (read from the cubin, which records no spill counts)
+    spill_loads: int | None
     stack_bytes: int
     static_smem: int
 
@@ -91,7 +91,7 @@ def compile_cubin(source: str, filename: str, arch: str, options: Sequence[str],
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return Compiled(cubin=cubin, log=log, resources=parse_ptxas(log))
+        return Compiled(cubin=cubin, log=log, resources=resources(log, cubin))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -106,6 +106,17 @@ def _explain(log: str, files: Mapping[str, tuple[Path, str]]) -> str:
         if 1 <= n <= len(lines):
             out.append(f"  {path}:{n}: {lines[n - 1].strip()}")
     return "\n".join(out)
+
+
+def resources(log: str, cubin: bytes) -> dict[str, KernelResources]:
+    """Each kernel's resources from the ptxas report, or from the cubin's notes where the report lacks it (an
+    NVRTC that served the program from a cache of its own printed no report on the lab GPU's image)."""
+    from .cubin import kernel_resources
+    out = parse_ptxas(log)
+    for name, r in kernel_resources(cubin).items():
+        out.setdefault(name, KernelResources(registers=r["registers"], spill_stores=None, spill_loads=None,
+                                             stack_bytes=r["stack_bytes"], static_smem=0))
+    return out
 
 
 _PROPS = re.compile(r"Function properties for (\w+)")
