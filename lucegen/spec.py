@@ -88,12 +88,18 @@ class DDTreeTuning:
 
 
 @dataclass(frozen=True)
+class PrefillTuning:
+    chunk_tokens: int = 8192  # prompt tokens per pass through the layers (their activations must fit memory)
+
+
+@dataclass(frozen=True)
 class Tuning:
     megakernel: MegakernelTuning
     gemv: GemvTuning = field(default_factory=GemvTuning)
     norm: Launch = field(default_factory=lambda: Launch(threads=256))
     argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
     ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
+    prefill: PrefillTuning = field(default_factory=PrefillTuning)
     kv_format: str = "bf16"
     weight_formats: tuple[str, ...] = ("bf16",)
     max_context: int = 32768
@@ -265,6 +271,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.ddtree.block_size", "must be at least 2")
     if t.max_context < 1024:
         _fail(source, "tuning.max_context", f"{t.max_context} is below the 1024-token minimum")
+    if t.prefill.chunk_tokens % 64 or not 64 <= t.prefill.chunk_tokens <= t.max_context:
+        _fail(source, "tuning.prefill.chunk_tokens", f"{t.prefill.chunk_tokens} must be a multiple of 64 (the "
+              f"DeltaNet chunk) between 64 and max_context {t.max_context}")
     return spec
 
 

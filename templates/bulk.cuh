@@ -3,26 +3,18 @@
 // A producer thread calls mbar_expect_tx(bar, bytes) then bulk_g2s(dst, src, bytes, bar); consumers wait with
 // mbar_wait(bar, parity), where parity is the use count of that barrier modulo 2.
 #pragma once
-#include "common.cuh"
+#include "mbarrier.cuh"
 
 namespace lucegen {
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
 // Make initialised barriers visible to the async proxy (the copy engine) before first use.
 __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(bar)), "r"(bytes)
                  : "memory");
 }
 
@@ -33,7 +25,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
         "WAIT_%=:\n"
         "  mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "  @!done bra WAIT_%=;\n"
-        "}\n" ::"r"(smem_addr(bar)),
+        "}\n" ::"r"(shared_addr(bar)),
         "r"(parity)
         : "memory");
 }
@@ -42,8 +34,8 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar))
+            shared_addr(dst)),
+        "l"(src), "r"(bytes), "r"(shared_addr(bar))
         : "memory");
 }
 

@@ -15,6 +15,25 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
     return v;
 }
 
+// Ask L2 to fetch [p, p + bytes) from DRAM without waiting for it. One lane issues the bulk prefetch (sm_90+);
+// below sm_90 the lanes of the calling warp prefetch one 128-byte line each in turn. The range is widened to
+// whole 16-byte words, so its ends must lie inside an allocation padded to 16 bytes.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
+    const size_t a = reinterpret_cast<size_t>(p) & ~size_t(15);
+    const size_t e = (reinterpret_cast<size_t>(p) + bytes + 15) & ~size_t(15);
+    if (e <= a) return;
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x % 32 == 0)
+        for (size_t s = a; s < e; s += 65536) {
+            const unsigned n = static_cast<unsigned>(e - s < 65536 ? e - s : 65536);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s), "r"(n) : "memory");
+        }
+#else
+    for (size_t s = (a & ~size_t(127)) + (threadIdx.x % 32) * 128; s < e; s += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(s));
+#endif
+}
+
 // Eight bf16 packed in a uint4 -> dot product with eight other bf16, accumulated in fp32.
 __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);

@@ -8,19 +8,15 @@
 
 namespace lucegen {
 
-// Dot products of ROWS consecutive rows (starting at `row`) with x. xs[c] is x's c-th 8-value chunk: a uint4 of
-// bf16 (a plain pointer) or an f32x8 (StagedF32). SPLIT warps may share the rows: warp `part` of them takes chunks
-// part*32 + lane + i*32*SPLIT, so together they read each row as one warp SPLIT times as wide would, and each
-// returns its partial sums (the full sums when SPLIT is 1). Rows at or past N contribute nothing. The sums are
-// in every lane.
-template <int K, int ROWS, int UNROLL, int SPLIT = 1, typename XS>
-__device__ __forceinline__ void gemv_bf16_rows(const bf16* __restrict__ W, XS xs, int row, int N, float (&acc)[ROWS],
-                                               int part = 0) {
+// Dot products of ROWS consecutive rows (starting at `row`) with x (in shared memory as 16-byte chunks).
+// Rows at or past N contribute nothing. Returns the full sums in every lane.
+template <int K, int ROWS, int UNROLL>
+__device__ __forceinline__ void gemv_bf16_rows(const bf16* __restrict__ W, const uint4* __restrict__ xs,
+                                               int row, int N, float (&acc)[ROWS]) {
     static_assert(K % 8 == 0, "GEMV rows must be a whole number of 16-byte chunks");
     constexpr int CHUNKS = K / 8;
-    constexpr int LANES = 32 * SPLIT;
-    constexpr int STEP = LANES * UNROLL;
-    const int lane = part * 32 + threadIdx.x % 32;
+    constexpr int STEP = 32 * UNROLL;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
 #pragma unroll 1
@@ -30,15 +26,15 @@ __device__ __forceinline__ void gemv_bf16_rows(const bf16* __restrict__ W, XS xs
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const int c = c0 + u * LANES + lane;
+                const int c = c0 + u * 32 + lane;
                 const bool ok = (row + r < N) && (CHUNKS % STEP == 0 || c < CHUNKS);
                 w[r][u] = ok ? load_stream(W + (size_t)(row + r) * K + (size_t)c * 8) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int c = c0 + u * LANES + lane;
+            const int c = c0 + u * 32 + lane;
             if (CHUNKS % STEP == 0 || c < CHUNKS) {
-                const auto xv = xs[c];
+                const uint4 xv = xs[c];
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) acc[r] += dot8_bf16(w[r][u], xv);
             }
@@ -48,47 +44,23 @@ __device__ __forceinline__ void gemv_bf16_rows(const bf16* __restrict__ W, XS xs
     for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// Rows [r0, r1) of W times x by one block of WARPS warps (a persistent kernel's share of a GEMV). The warps form
-// WARPS/SPLIT groups of SPLIT; a group takes ROWS rows at a time and its warps split each row's chunks. Split
-// partial sums meet in `red` (WARPS * ROWS floats of shared memory) and are added in a fixed order, so results do
-// not depend on timing. epilogue(row, acc, n) runs in lane 0 of one warp per row group, with the n <= ROWS sums
-// of rows row .. row+n-1 (n < ROWS only at r1).
-template <int K, int WARPS, int ROWS, int SPLIT, int UNROLL, typename XS, typename Epilogue>
-__device__ __forceinline__ void gemv_bf16_block(const bf16* __restrict__ W, XS xs, int r0, int r1, float* red,
-                                                Epilogue&& epilogue) {
-    static_assert(WARPS % SPLIT == 0, "SPLIT must divide the warps of a block");
-    constexpr int GROUPS = WARPS / SPLIT;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = warp / SPLIT, part = warp % SPLIT;
-    if constexpr (SPLIT == 1) {
-        for (int row = r0 + group * ROWS; row < r1; row += GROUPS * ROWS) {
-            float acc[ROWS];
-            gemv_bf16_rows<K, ROWS, UNROLL>(W, xs, row, r1, acc);
-            if (lane == 0) epilogue(row, acc, min(ROWS, r1 - row));
-        }
-    } else {
-        // Every warp runs the same number of rounds: the block synchronises inside the loop.
-        const int rounds = (r1 - r0 + GROUPS * ROWS - 1) / (GROUPS * ROWS);
-        for (int i = 0; i < rounds; ++i) {
-            const int row = r0 + (i * GROUPS + group) * ROWS;
-            float acc[ROWS];
-            gemv_bf16_rows<K, ROWS, UNROLL, SPLIT>(W, xs, row, r1, acc, part);
-            if (lane == 0)
+// ROWS rows of K bf16 held in shared memory (row r at chunk r*K/8 of `rows`) times x; rows at or past n contribute
+// nothing. The sums end in every lane. About eight 16-byte weight loads per lane are in flight.
+template <int K, int ROWS, typename XS>
+__device__ __forceinline__ void gemv_bf16_smem_rows(const uint4* rows, XS xs, int n, float (&acc)[ROWS]) {
+    static_assert(K % 8 == 0, "GEMV rows must be a whole number of 16-byte chunks");
+    constexpr int CHUNKS = K / 8, UNROLL = ROWS >= 8 ? 1 : 8 / ROWS;
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) red[warp * ROWS + r] = acc[r];
-            __syncthreads();
-            if (part == 0 && lane == 0 && row < r1) {
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+#pragma unroll UNROLL
+    for (int c = threadIdx.x % 32; c < CHUNKS; c += 32) {
+        const auto xv = xs[c];
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    acc[r] = red[warp * ROWS + r];
-#pragma unroll
-                    for (int p = 1; p < SPLIT; ++p) acc[r] += red[(warp + p) * ROWS + r];
-                }
-                epilogue(row, acc, min(ROWS, r1 - row));
-            }
-            __syncthreads();
-        }
+        for (int r = 0; r < ROWS; ++r)
+            if (r < n) acc[r] += dot8_bf16(rows[r * CHUNKS + c], xv);
     }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
 // Copy x (K bf16) into shared memory as 16-byte chunks.

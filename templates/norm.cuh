@@ -31,4 +31,43 @@ __device__ void rmsnorm_1p_row(const bf16* __restrict__ x, const bf16* __restric
     }
 }
 
+// Four values of a row as fp32: from fp32 written earlier in the same launch (read through L2), or from bf16 weights.
+__device__ __forceinline__ float4 load_quad(const float* x, int q) {
+    return load_coherent(reinterpret_cast<const float4*>(x) + q);
+}
+__device__ __forceinline__ float4 load_quad(const bf16* x, int q) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(x) + q);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// The same zero-centred RMSNorm of one H-wide row (fp32 or bf16) with an fp32 weight, kept in fp32 and written to
+// shared memory as a staged GEMV input. One block; ends with __syncthreads. `scratch` holds THREADS/32 floats.
+template <int H, int THREADS, typename T>
+__device__ void rmsnorm_1p_stage(const T* __restrict__ x, const float* __restrict__ w, float eps, StagedF32<H> out,
+                                 float* scratch) {
+    static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
+    constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;
+    float4 v[PER_THREAD];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int q = threadIdx.x + i * THREADS;
+        v[i] = q < QUADS ? load_quad(x, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
+    const float rstd = rsqrtf(block_sum<THREADS>(ss, scratch) / H + eps);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int q = threadIdx.x + i * THREADS;
+        if (q < QUADS) {
+            const float4 g = __ldg(reinterpret_cast<const float4*>(w) + q);
+            out.quad(q) = make_float4(v[i].x * rstd * (1.f + g.x), v[i].y * rstd * (1.f + g.y),
+                                      v[i].z * rstd * (1.f + g.z), v[i].w * rstd * (1.f + g.w));
+        }
+    }
+    __syncthreads();
+}
+
 }  // namespace lucegen

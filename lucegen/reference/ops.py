@@ -42,14 +42,18 @@ def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def rope_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """inv_freq[i] = 1 / theta^(2i / rotary_dim), i < rotary_dim / 2, in float32 as HF computes it."""
+    return 1 / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+
+
 def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables [T, rotary_dim] for absolute positions, float32 as HF builds them.
 
-    inv_freq[i] = 1 / theta^(2i / rotary_dim) in float32; the angles repeat once (NEOX half split). For text-only
+    The angles are positions * rope_inv_freq in float32 and repeat once (NEOX half split). For text-only
     input Qwen3.5's interleaved M-RoPE has identical t/h/w positions and reduces exactly to this.
     """
-    inv_freq = 1 / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
-    freqs = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq
+    freqs = np.asarray(positions, dtype=np.float32)[:, None] * rope_inv_freq(rotary_dim, theta)
     angles = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(angles), np.sin(angles)
 

@@ -1,0 +1,186 @@
+"""Prefill throughput: pp520, pp4096 and pp32768 (tokens per second of a prompt prefilled from an empty state) for
+Qwen3.5-0.8B and 27B in bf16, with random weights of the real shapes filled on the GPU.
+
+Each prefill is captured once in a CUDA graph (no host launch overhead) and replayed. FLOPs counted: 2 x the
+layers' matrix parameters x T, the LM head of the last token, and causal attention (QK^T and PV over T(T+1)/2
+query-key pairs per head); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
+compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the 27B prefill's
+GEMM shapes are timed alone against torch.matmul on the same shapes. HF transformers' pp520 (eager attention, bf16)
+is measured beside ours when torch and transformers import.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from ..codegen.build import build
+from ..engine.prefill import Prefill
+from ..engine.state import DeviceState
+from ..engine.weights import DeviceWeights
+from ..kernels import fill, gemm
+from ..kernels.megakernel import BF16
+from ..model.config import LINEAR, ModelConfig, load_config, tiny_config
+from ..runtime import DeviceArray, Graph, Stream, device_info, synchronize
+from ..spec import ChipSpec, spec_for_current_device
+from .results import Recorder
+from .timing import median_ms
+
+MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
+LENGTHS = (520, 4096, 32768)
+GEMM_MODEL, GEMM_TOKENS = "qwen3.5-27b", 4096  # whose GEMM shapes are timed alone, at how many tokens
+MATMUL_N = 8192
+
+
+def matrix_params(cfg: ModelConfig) -> int:
+    """Parameters of every layer's projections (the GEMMs of the prefill)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    n = 0
+    for kind in cfg.layer_types:
+        n += 3 * H * I
+        if kind == LINEAR:
+            n += (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) * H + H * cfg.value_dim
+        else:
+            n += (cfg.q_proj_rows + 2 * cfg.kv_dim) * H + H * cfg.num_attention_heads * cfg.head_dim
+    return n
+
+
+def prefill_flops(cfg: ModelConfig, T: int) -> float:
+    attention = 4 * cfg.num_attention_heads * cfg.head_dim * T * (T + 1) / 2 * len(cfg.full_layers)
+    return 2.0 * matrix_params(cfg) * T + 2.0 * cfg.vocab_size * cfg.hidden_size + attention
+
+
+def _torch():
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_ms(fn, repeat: int = 20) -> float:
+    torch = _torch()
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return float(np.median(times))
+
+
+def torch_matmul_tflops(m: int = MATMUL_N, n: int = MATMUL_N, k: int = MATMUL_N) -> float | None:
+    """cuBLAS bf16 (through torch.matmul) on an m x k by k x n product, TFLOP/s; None without torch."""
+    torch = _torch()
+    if torch is None:
+        return None
+    operands = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                torch.randn(k, n, device="cuda", dtype=torch.bfloat16)]
+    ms = _torch_ms(lambda: torch.matmul(*operands))
+    operands.clear()
+    torch.cuda.empty_cache()
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def hf_tok_s(cfg: ModelConfig, T: int) -> tuple[float, str] | None:
+    """HF transformers' Qwen3_5ForCausalLM (random bf16 weights, eager attention) on a T-token prompt: tok/s."""
+    torch = _torch()
+    if torch is None or importlib.util.find_spec("transformers") is None:
+        return None
+    import transformers
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # parameters made in bf16 on the GPU (27B in fp32 would not fit)
+    try:
+        with torch.device("cuda"):
+            models = [Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager")).eval()]
+    finally:
+        torch.set_default_dtype(default)
+    ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
+    with torch.no_grad():
+        ms = _torch_ms(lambda: models[0](input_ids=ids, use_cache=True, logits_to_keep=1), repeat=5)
+    fla = importlib.util.find_spec("fla") is not None
+    models.clear()
+    torch.cuda.empty_cache()
+    return T / (ms * 1e-3), f"HF transformers {transformers.__version__} eager bf16{' + fla' if fla else ''}"
+
+
+def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
+    """(N, K, epilogue) of the prefill's GEMMs, by projection."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"in_proj": (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads, H, "f32"),
+            "out_proj": (H, cfg.value_dim, "add"), "gate_up": (2 * I, H, "silu"), "down": (H, I, "add")}
+
+
+def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream: Stream) -> None:
+    """Each GEMM shape of the model alone, at m tokens: our TFLOP/s against torch.matmul's on the same shape."""
+    op = gemm.Gemm(build(spec, tiny_config(), gemm.units(spec)).module("prefill_gemm"), spec)
+    rng = np.random.default_rng(0)
+    for name, (n, k, epilogue) in gemm_shapes(cfg).items():
+        x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32).astype(BF16))
+        w = DeviceArray.from_numpy((rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(BF16))
+        y = DeviceArray.zeros((m, n), np.float32)
+        ms = median_ms(lambda s: op(x, w, y, m, n, k, epilogue, stream=s), stream, warmup_s=0.2, repeat=20)
+        tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
+        peer = torch_matmul_tflops(m, n, k)
+        rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer,
+                   config=gemm.choose(spec, m, n).name, epilogue=epilogue,
+                   **({"cublas_tflops": round(peer, 1)} if peer else {}))
+        for a in (x, w, y):
+            a.free()
+
+
+def fits(cfg: ModelConfig, T: int) -> bool:
+    """The bf16 weights, the KV cache of T tokens and 8 GiB for activations fit this GPU's memory."""
+    kv_cache = T * 2 * cfg.kv_dim * 2 * len(cfg.full_layers)
+    return 2 * cfg.n_params() + kv_cache + 8 * 2**30 < device_info().memory_bytes
+
+
+def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> None:
+    spec = spec_for_current_device()
+    rec = recorder or Recorder(gpu=device_info().name)
+    stream = Stream()
+    filler = fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"), spec)
+    peak = torch_matmul_tflops()
+    if peak:
+        rec.record("matmul_tflops", f"torch.matmul bf16 {MATMUL_N}^3", peak, "TFLOP/s", peer="torch (cuBLAS)")
+    print(f"spec {spec.name}, prefill {spec.tuning.prefill}, bf16 matmul rate "
+          f"{f'{peak:.0f} TFLOP/s' if peak else 'unknown (no torch)'}")
+    rng = np.random.default_rng(0)
+    for name in models:
+        cfg = load_config(name)
+        runnable = [T for T in lengths if fits(cfg, T)]
+        if not runnable:
+            print(f"{name}: {2 * cfg.n_params() / 1e9:.0f} GB of bf16 weights do not fit this GPU; skipped")
+            continue
+        weights = DeviceWeights.random(cfg, spec, filler)
+        prefill = Prefill(spec, cfg)
+        state = DeviceState(cfg, max(runnable))
+        for T in runnable:
+            ids = DeviceArray.from_numpy(rng.integers(0, cfg.vocab_size, T).astype(np.int32))
+            state.reset()
+            with Graph.capture(stream) as graph:
+                prefill.enqueue(weights, state, ids, stream)
+            synchronize()
+            ms = median_ms(lambda s: graph.launch(s), stream, warmup_s=1.0, repeat=5 if T > 4096 else 20)
+            flops = prefill_flops(cfg, T)
+            tflops = flops / (ms * 1e-3) / 1e12
+            limit = T * peak * 1e12 / flops if peak else None
+            rec.record(f"pp{T}_tok_s", cfg.name, T / (ms * 1e-3), "tok/s", limit, ms=round(ms, 3),
+                       achieved_tflops=round(tflops, 1), chunk_tokens=prefill.chunk,
+                       **({"matmul_tflops": round(peak, 1), "of_matmul": round(tflops / peak, 3)} if peak else {}))
+            graph.destroy()
+            ids.free()
+        if peak and name == GEMM_MODEL:
+            bench_gemms(rec, spec, cfg, GEMM_TOKENS, stream)
+        state.free()
+        prefill.free()
+        weights.free()
+        synchronize()
+        hf = hf_tok_s(cfg, 520)
+        if hf:
+            rec.record("pp520_tok_s", cfg.name, hf[0], "tok/s", peer=hf[1])

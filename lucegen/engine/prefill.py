@@ -1,0 +1,150 @@
+"""Prefill on the GPU: a prompt through every layer, in passes of at most `chunk_tokens` tokens, leaving in a
+DeviceState exactly the state the decode path continues from, and the logits of the last token.
+
+One pass over n tokens at positions start .. start+n-1 (x: the fp32 residual stream [n, H]):
+    x = embed(ids)
+    per layer:  h = rmsnorm(x)
+      DeltaNet: mixed = h in_proj^T (fp32) -> conv1d + SiLU + gates (conv ring updated) -> chunked delta rule
+                (recurrent state updated) -> gated RMSNorm -> x += . out_proj^T
+      attention: qkv = h qkv^T (bf16) -> q/k norm, RoPE, K/V into the cache -> causal flash attention with the
+                output gate -> x += . o_proj^T
+      MLP:      h = rmsnorm(x) -> act = silu(h gate^T) * (h up^T) (one GEMM) -> x += act down^T
+after the last pass: logits = lm_head rmsnorm(x[last]) (the bf16 GEMV of the decode path).
+Activations between kernels are bf16 where a tensor-core GEMM or attention reads them, fp32 elsewhere (the
+residual stream, the in-projection rows of a DeltaNet layer, the DeltaNet output before its norm).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from ..codegen.build import BUILD_DIR, build
+from ..codegen.unit import KernelUnit
+from ..kernels import attention, conv1d, gdn, gemm, gemv, rows
+from ..model.config import LINEAR, ModelConfig
+from ..runtime.memory import DeviceArray
+from ..spec import ChipSpec
+from .base import ContextOverflow
+from .state import DeviceState
+from .weights import DeviceWeights
+
+BF16 = ml_dtypes.bfloat16
+
+
+def shape_problem(spec: ChipSpec, cfg: ModelConfig) -> str | None:
+    """Why the prefill kernels cannot run this model on this chip, or None."""
+    if cfg.hidden_size % 64 or cfg.intermediate_size % 64 or cfg.value_dim % 64:
+        return f"{cfg.name}: the projections need hidden, intermediate and value widths that are multiples of 64"
+    if cfg.linear_layers and (problem := conv1d.shape_problem(cfg) or gdn.shape_problem(cfg)):
+        return problem
+    return attention.shape_problem(cfg, spec) if cfg.full_layers else None
+
+
+def units(spec: ChipSpec, cfg: ModelConfig) -> list[KernelUnit]:
+    """Every kernel the prefill of `cfg` launches on `spec`."""
+    return [*rows.units(spec, cfg), *gemm.units(spec, cfg), *gemv.units(spec, cfg, [cfg.hidden_size]),
+            *conv1d.units(spec, cfg), *gdn.units(spec, cfg), *attention.units(spec, cfg)]
+
+
+class Prefill:
+    """prefill(weights, state, token_ids) -> logits (fp32 [vocab], a device array owned by this object)."""
+
+    def __init__(self, spec: ChipSpec, cfg: ModelConfig, chunk_tokens: int | None = None, root: Path = BUILD_DIR):
+        self.spec, self.cfg = spec, cfg
+        self.chunk = chunk_tokens or spec.tuning.prefill.chunk_tokens
+        if self.chunk % gdn.CHUNK:
+            raise ValueError(f"chunk_tokens {self.chunk} is not a multiple of the DeltaNet chunk {gdn.CHUNK}")
+        if problem := shape_problem(spec, cfg):
+            raise ValueError(problem)
+        result = build(spec, cfg, units(spec, cfg), root=root)
+        modules = {u.unit.template: result.module(u.unit.name) for u in result.units}
+        self.rows = rows.Rows(modules["prefill_rows.cu.j2"], spec, cfg)
+        self.gemm = gemm.Gemm(modules["prefill_gemm.cu.j2"], spec)
+        self.lm_head = gemv.Gemv(modules["gemv.cu.j2"], spec, cfg.hidden_size)
+        if cfg.linear_layers:
+            self.conv = conv1d.Conv1dGates(modules["prefill_conv1d.cu.j2"], cfg)
+            self.gdn = gdn.ChunkedDeltaRule(modules["prefill_gdn.cu.j2"], spec, cfg)
+        if cfg.full_layers:
+            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg)
+        self._allocate(self.chunk)
+
+    def _allocate(self, n: int) -> None:
+        c = self.cfg
+        H, hv = c.hidden_size, c.linear_num_value_heads
+        mixed_w = c.conv_dim + c.value_dim + 2 * hv
+        qkv_w = c.q_proj_rows + 2 * c.kv_dim
+        self.x = DeviceArray.empty((n, H), np.float32)
+        self.h = DeviceArray.empty((n, H), BF16)
+        self.proj = DeviceArray.empty(n * max(4 * mixed_w, 2 * qkv_w), np.uint8)  # mixed (DeltaNet) or qkv (attention)
+        self.mixed = self.proj.view((n, mixed_w), np.float32)
+        self.qkv_attn = self.proj.view((n, qkv_w), BF16)
+        self.y = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), BF16)
+        self.act = DeviceArray.empty((n, c.intermediate_size), BF16)
+        if c.linear_layers:
+            self.qkv = DeviceArray.empty((n, c.conv_dim), BF16)
+            self.g = DeviceArray.empty((n, hv), np.float32)
+            self.beta = DeviceArray.empty((n, hv), np.float32)
+            self.o = DeviceArray.empty((n, hv, c.linear_value_head_dim), np.float32)
+            self.scratch = gdn.Scratch(c, n)
+        if c.full_layers:
+            self.q = DeviceArray.empty((n, c.num_attention_heads, c.head_dim), BF16)
+        self.last = DeviceArray.empty(H, BF16)
+        self.logits = DeviceArray.empty(c.vocab_size, np.float32)
+
+    def __call__(self, weights: DeviceWeights, state: DeviceState, token_ids: Sequence[int],
+                 stream=None) -> DeviceArray:
+        self.ids = DeviceArray.from_numpy(np.asarray(token_ids, np.int32).reshape(-1))  # kept until the next call
+        self.enqueue(weights, state, self.ids, stream)
+        return self.logits
+
+    def enqueue(self, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, stream=None) -> None:
+        """Launch the prefill of the token ids already on the device (int32 [T]) on `stream`; advances
+        state.position by T. Nothing is copied to or from the host, so this can be captured in a CUDA graph."""
+        T = ids.size
+        if T < 1 or state.position + T > state.max_context:
+            raise ContextOverflow(f"{T} tokens after {state.position} do not fit a context of {state.max_context}")
+        for c0 in range(0, T, self.chunk):
+            n = min(self.chunk, T - c0)
+            self._pass(weights, state, ids.view(n, offset_bytes=4 * c0), n, stream)
+            state.position += n
+        H = self.cfg.hidden_size
+        self.rows.rmsnorm(self.x.view(H, offset_bytes=(n - 1) * H * 4), weights.final_norm, self.last, 1,
+                          self.cfg.rms_norm_eps, stream=stream)
+        self.lm_head(weights.lm_head, self.last, self.logits, stream=stream)
+
+    def _pass(self, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, n: int, stream) -> None:
+        c, start, eps = self.cfg, state.position, self.cfg.rms_norm_eps
+        H, I = c.hidden_size, c.intermediate_size
+        mm = lambda x, w, y, k, epilogue: self.gemm(x, w, y, n, w.shape[0], k, epilogue, stream=stream)
+        self.rows.embed(ids, weights.embed, self.x, n, stream=stream)
+        for i, kind in enumerate(c.layer_types):
+            L = weights.layers[i]
+            self.rows.rmsnorm(self.x, L["ln1"], self.h, n, eps, stream=stream)
+            if kind == LINEAR:
+                mm(self.h, L["in"], self.mixed, H, "f32")
+                self.conv(self.mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], self.qkv, self.g,
+                          self.beta, n, start, stream=stream)
+                self.gdn(self.qkv, self.g, self.beta, state.recurrent[i], self.o, self.scratch, n, start > 0,
+                         stream=stream)
+                self.gdn.gated_norm(self.o, self.mixed, L["norm"], self.y, n, eps, stream=stream)
+                mm(self.y, L["out"], self.x, c.value_dim, "add")
+            else:
+                mm(self.h, L["in"], self.qkv_attn, H, "bf16")
+                self.attn.prep(self.qkv_attn, L["q_norm"], L["k_norm"], self.q, state.keys[i], state.values[i], n,
+                               start, stream=stream)
+                self.attn.attend(self.q, state.keys[i], state.values[i], self.qkv_attn, self.y, n, start,
+                                 stream=stream)
+                mm(self.y, L["out"], self.x, c.num_attention_heads * c.head_dim, "add")
+            self.rows.rmsnorm(self.x, L["ln2"], self.h, n, eps, stream=stream)
+            mm(self.h, L["gate_up"], self.act, H, "silu")
+            mm(self.act, L["down"], self.x, I, "add")
+
+    def free(self) -> None:
+        for name in ("x", "h", "proj", "y", "act", "qkv", "g", "beta", "o", "q", "last", "logits", "ids"):
+            if hasattr(self, name):
+                getattr(self, name).free()
+        if hasattr(self, "scratch"):
+            self.scratch.free()

@@ -1,0 +1,441 @@
+// gdn_chunk.cuh: the chunked gated delta rule of the prefill (chunks of 64 tokens, WY form, tensor cores), and the
+// gated RMSNorm of its output.
+//
+// Per value head (q, k l2-normalised in fp32, q scaled by dk^-1/2; c = inclusive cumsum of the log-decay g in the
+// chunk; P[i][j] = exp(c_i - c_j) for j <= i):
+//     A = strictly_lower((beta k) k^T o P),  T = (I + A)^-1,  Aqk = lower(q k^T o P)
+//     per chunk, from the state S [dk, dv]:
+//       v' = T (beta o (v - e^c o (k S)))            (= U - W S of the reference, with U = T beta v, W = T beta e^c k)
+//       o  = e^c o (q S) + Aqk v'
+//       S  = e^(c_last) S + (e^(c_last - c) o k)^T v'
+// Two kernels. gdn_prep, parallel over (chunk, value head): norms, cumsum, A and Aqk (bf16 mma on the raw bf16 q, k:
+// exact products), T by forward substitution in fp32, written to scratch with the per-token factors. gdn_scan,
+// parallel over (value head, BV-column slice of dv) -- the columns of S are independent -- walks the chunks in order
+// with its state slice in registers; its products with S, v' and T use tf32 mma (fp32 operands rounded to 10-bit
+// mantissas, fp32 accumulation; q and k are bf16, exact in tf32), the state itself is only ever accumulated in fp32.
+//
+// Layouts: qkv [T][CW] bf16 after conv + SiLU (q heads, k heads, v heads: value head h reads key head h / (HV/HK));
+// g, beta [T][HV] fp32; the recurrent state [HV][DV][DK] fp32 (S transposed: column j of S is DK consecutive floats,
+// the decode path's layout); o [T][HV][DV] fp32. Scratch per (chunk n, head h): wy (T) and aqk [64][64] fp32,
+// fac [5][64] fp32 = beta, a = e^c |k|^-1, qf = e^c |q|^-1 dk^-1/2, kf = e^(c_last - c) |k|^-1, and [4][0] = e^c_last
+// (|x|^-1 meaning 1 / sqrt(sum x^2 + 1e-6), the l2norm of HF and FLA).
+#pragma once
+#include "activation.cuh"
+#include "mma.cuh"
+
+namespace lucegen {
+
+constexpr int GDN_BT = 64;        // tokens per chunk
+constexpr int GDN_MAT_LD = 68;    // padded row of a 64 x 64 fp32 matrix in shared memory (conflict-free fragments)
+constexpr int GDN_FAC = 5 * 64;   // floats of per-token factors per (chunk, head)
+
+template <int DK_, int DV_, int HK_, int HV_>
+struct GdnShape {
+    static constexpr int DK = DK_, DV = DV_, HK = HK_, HV = HV_;
+    static constexpr int KD = HK * DK;           // width of the q (and of the k) block of a qkv row
+    static constexpr int CW = 2 * KD + HV * DV;  // a qkv row
+    static constexpr int RATIO = HV / HK;        // value heads per key head
+    static_assert(DK % 64 == 0 && DK <= 256 && DV % 32 == 0 && HV % HK == 0, "GDN head shape");
+};
+
+// Where chunk n of value head h keeps its scratch, and the qkv columns of its q, k and v.
+template <class S>
+struct GdnChunk {
+    const bf16* q;  // row 0 of the chunk's q (key head h / RATIO); rows are CW apart
+    const bf16* k;
+    const bf16* v;  // column 0 of value head h
+    int t0, valid;  // first token, tokens in the chunk (<= 64)
+    size_t scratch; // index of (n, h) in the scratch arrays
+    __device__ __forceinline__ GdnChunk(const bf16* qkv, int n, int h, int T) {
+        t0 = n * GDN_BT;
+        valid = min(GDN_BT, T - t0);
+        const bf16* row = qkv + (size_t)t0 * S::CW;
+        q = row + (h / S::RATIO) * S::DK;
+        k = row + S::KD + (h / S::RATIO) * S::DK;
+        v = row + 2 * S::KD + h * S::DV;
+        scratch = (size_t)n * S::HV + h;
+    }
+};
+
+// Copy a 64 x 64 fp32 matrix (global, dense) into padded shared rows.
+template <int THREADS>
+__device__ __forceinline__ void load_mat64_async(float* dst, const float* src) {
+#pragma unroll
+    for (int i = threadIdx.x; i < 64 * 16; i += THREADS)
+        cp_async16(dst + (i / 16) * GDN_MAT_LD + (i % 16) * 4, src + i * 4, true);
+}
+
+// tf32 A fragment (rows row0.., columns k0..k0+7) of a padded 64 x 64 fp32 matrix.
+__device__ __forceinline__ void mat64_a_frag(unsigned (&a)[4], const float* m, int row0, int k0) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    a[0] = tf32(m[(row0 + g) * GDN_MAT_LD + k0 + t]);
+    a[1] = tf32(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t]);
+    a[2] = tf32(m[(row0 + g) * GDN_MAT_LD + k0 + t + 4]);
+    a[3] = tf32(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t + 4]);
+}
+
+// ---- gdn_prep ------------------------------------------------------------------------------------------------
+
+template <class S>
+struct GdnPrepSmem {
+    static constexpr int BYTES = 2 * 64 * S::DK * 2 + 64 * GDN_MAT_LD * 4 + 5 * 64 * 4;
+    SwizzledTile<64, S::DK> q, k;
+    float* a;                          // [64][GDN_MAT_LD]: A, strictly lower
+    float *g, *beta, *c, *qn, *kn;     // [64] each: log-decay, beta, cumsum, q and k norm factors
+    __device__ __forceinline__ explicit GdnPrepSmem(unsigned char* p)
+        : q{p}, k{p + 64 * S::DK * 2}, a(reinterpret_cast<float*>(p + 2 * 64 * S::DK * 2)) {
+        g = a + 64 * GDN_MAT_LD, beta = g + 64, c = beta + 64, qn = c + 64, kn = qn + 64;
+    }
+};
+
+// Sum of squares of each of rows 16w .. 16w+15 of a swizzled 64 x DK bf16 tile, in warp w: out(row, sum).
+template <int DK, class F>
+__device__ __forceinline__ void row_sumsq(SwizzledTile<64, DK> tile, F&& out) {
+    constexpr int CPR = DK / 8;  // 16-byte chunks per row; CPR lanes share a row
+    static_assert(32 % CPR == 0, "a row is 8, 16 or 32 chunks");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = lane; i < 16 * CPR; i += 32) {
+        const int r = 16 * warp + i / CPR;
+        const uint4 v = *reinterpret_cast<const uint4*>(tile.chunk(r, i % CPR));
+        float ss = dot8_bf16(v, v);
+#pragma unroll
+        for (int o = CPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane % CPR == 0) out(r, ss);
+    }
+}
+
+// Column j of T = (I + A)^-1 for a strictly lower A (64 x 64, padded rows) by forward substitution in fp32:
+// x_i = [i == j] - sum_{m < i} A[i][m] x_m. The column lives in registers; A rows are read as broadcasts.
+__device__ __forceinline__ void unit_lower_inverse_column(const float* a, int j, float (&x)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) x[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // A[i][m] = 0 for m >= i, and so is x_m: whole quads are safe
+#pragma unroll
+        for (int m = 0; m < i; m += 4) {
+            const float4 r = *reinterpret_cast<const float4*>(a + i * GDN_MAT_LD + m);
+            s0 = fmaf(r.x, x[m], s0), s1 = fmaf(r.y, x[m + 1], s1);
+            s2 = fmaf(r.z, x[m + 2], s2), s3 = fmaf(r.w, x[m + 3], s3);
+        }
+        x[i] = (i == j ? 1.f : 0.f) - ((s0 + s1) + (s2 + s3));
+    }
+}
+
+// One (chunk, value head) of the prep, by a block of 128 threads with GdnPrepSmem::BYTES of dynamic shared memory.
+template <class S>
+__device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__ g, const float* __restrict__ beta,
+                         float* __restrict__ wy, float* __restrict__ aqk, float* __restrict__ fac, int T, int n, int h,
+                         unsigned char* smem) {
+    constexpr int THREADS = 128;
+    const GdnChunk<S> ch(qkv, n, h, T);
+    const GdnPrepSmem<S> sm(smem);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+
+    load_tile_async<64, S::DK, THREADS>(sm.q, ch.q, S::CW, ch.valid);
+    load_tile_async<64, S::DK, THREADS>(sm.k, ch.k, S::CW, ch.valid);
+    cp_async_commit();
+    if (threadIdx.x < 64) {
+        const bool in = threadIdx.x < ch.valid;
+        const size_t at = (size_t)(ch.t0 + threadIdx.x) * S::HV + h;
+        sm.g[threadIdx.x] = in ? g[at] : 0.f;  // padding tokens: no decay, no update (as the reference pads)
+        sm.beta[threadIdx.x] = in ? beta[at] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // l2 norm factors (q's with dk^-1/2) and the cumulative log-decay
+    row_sumsq<S::DK>(sm.q, [&](int r, float ss) { sm.qn[r] = rsqrtf(ss + 1e-6f) * rsqrtf(float(S::DK)); });
+    row_sumsq<S::DK>(sm.k, [&](int r, float ss) { sm.kn[r] = rsqrtf(ss + 1e-6f); });
+    if (threadIdx.x == 0) {
+        float c = 0.f;
+        for (int r = 0; r < 64; ++r) sm.c[r] = c += sm.g[r];
+    }
+    __syncthreads();
+
+    // k k^T and q k^T for rows 16 warp .. 16 warp + 15, all 64 columns (bf16 products are exact in fp32)
+    float kk[8][4] = {}, qk[8][4] = {};
+#pragma unroll
+    for (int d = 0; d < S::DK; d += 16) {
+        unsigned ak[4], aq[4];
+        load_a_frag(ak, sm.k, 16 * warp, d);
+        load_a_frag(aq, sm.q, 16 * warp, d);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+            unsigned b[4];
+            load_b_frags_nk(b, sm.k, 8 * nt, d);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_bf16(kk[nt], ak, b0), mma_bf16(kk[nt + 1], ak, b1);
+            mma_bf16(qk[nt], aq, b0), mma_bf16(qk[nt + 1], aq, b1);
+        }
+    }
+    // A (strictly lower, into shared memory) and Aqk (lower with the diagonal, to scratch), with the decays
+    float* aqk_out = aqk + ch.scratch * 64 * 64;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            const int i = 16 * warp + gq + 8 * (e / 2), j = 8 * nt + 2 * tq;
+            float av[2], qv[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const float decay = j + u <= i ? __expf(sm.c[i] - sm.c[j + u]) : 0.f;
+                av[u] = j + u < i ? sm.beta[i] * sm.kn[i] * sm.kn[j + u] * kk[nt][e + u] * decay : 0.f;
+                qv[u] = sm.qn[i] * sm.kn[j + u] * qk[nt][e + u] * decay;
+            }
+            *reinterpret_cast<float2*>(sm.a + i * GDN_MAT_LD + j) = make_float2(av[0], av[1]);
+            *reinterpret_cast<float2*>(aqk_out + i * 64 + j) = make_float2(qv[0], qv[1]);
+        }
+    __syncthreads();
+
+    if (threadIdx.x < 64) {  // thread j: column j of T
+        float x[64];
+        unit_lower_inverse_column(sm.a, threadIdx.x, x);
+        float* out = wy + ch.scratch * 64 * 64 + threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < 64; ++i) out[i * 64] = x[i];
+    } else {  // the per-token factors
+        const int r = threadIdx.x - 64;
+        float* f = fac + ch.scratch * GDN_FAC;
+        const float last = sm.c[63], ec = __expf(sm.c[r]);
+        f[r] = sm.beta[r];
+        f[64 + r] = ec * sm.kn[r];
+        f[128 + r] = ec * sm.qn[r];
+        f[192 + r] = __expf(last - sm.c[r]) * sm.kn[r];
+        f[256 + r] = r == 0 ? __expf(last) : 0.f;
+    }
+}
+
+// ---- gdn_scan ------------------------------------------------------------------------------------------------
+
+// Shared memory of the scan: STAGES chunk stages (q, k, the v slice, T, Aqk, factors), then the state slice
+// (transposed, tf32) and the r / v' slice (transposed, fp32).
+template <class S, int BV, int STAGES>
+struct GdnScanSmem {
+    static constexpr int VLD = BV + 8;      // padded v rows (bf16)
+    static constexpr int STLD = S::DK + 4;  // padded S^T rows
+    static constexpr int Q_BYTES = 64 * S::DK * 2, V_BYTES = 64 * VLD * 2, MAT_BYTES = 64 * GDN_MAT_LD * 4;
+    static constexpr int STAGE = 2 * Q_BYTES + V_BYTES + 2 * MAT_BYTES + GDN_FAC * 4;
+    static constexpr int BYTES = STAGES * STAGE + BV * STLD * 4 + BV * GDN_MAT_LD * 4;
+    static_assert(V_BYTES % 16 == 0 && STAGE % 16 == 0, "stages stay 16-byte aligned");
+
+    unsigned char* base;
+    __device__ __forceinline__ SwizzledTile<64, S::DK> q(int s) const { return {base + s * STAGE}; }
+    __device__ __forceinline__ SwizzledTile<64, S::DK> k(int s) const { return {base + s * STAGE + Q_BYTES}; }
+    __device__ __forceinline__ bf16* v(int s) const { return reinterpret_cast<bf16*>(base + s * STAGE + 2 * Q_BYTES); }
+    __device__ __forceinline__ float* wy(int s) const {
+        return reinterpret_cast<float*>(base + s * STAGE + 2 * Q_BYTES + V_BYTES);
+    }
+    __device__ __forceinline__ float* aqk(int s) const { return wy(s) + 64 * GDN_MAT_LD; }
+    __device__ __forceinline__ float* fac(int s) const { return aqk(s) + 64 * GDN_MAT_LD; }
+    __device__ __forceinline__ unsigned* st() const { return reinterpret_cast<unsigned*>(base + STAGES * STAGE); }
+    __device__ __forceinline__ float* xt() const { return reinterpret_cast<float*>(st() + BV * STLD); }
+};
+
+template <class S, int BV, int STAGES>
+__device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__ wy, const float* __restrict__ aqk,
+                         const float* __restrict__ fac, float* __restrict__ state, float* __restrict__ o, int T,
+                         bool has_state, int h, int slice, unsigned char* smem) {
+    constexpr int THREADS = 128, NB = BV / 8, MS = S::DK / 64;  // n-tiles of the slice; S row tiles per warp
+    using Sm = GdnScanSmem<S, BV, STAGES>;
+    static_assert(BV % 16 == 0, "v slices are whole 16-byte chunks of two 8-column tiles");
+    const Sm sm{smem};
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const int j0 = slice * BV, chunks = (T + GDN_BT - 1) / GDN_BT;
+    unsigned* st = sm.st();
+    float* xt = sm.xt();
+    float* state_h = state + ((size_t)h * S::DV + j0) * S::DK;  // S^T rows j0 .. j0+BV-1
+
+    auto load = [&](int n) {  // chunk n into stage n % STAGES; always one commit
+        if (n < chunks) {
+            const GdnChunk<S> ch(qkv, n, h, T);
+            const int s = n % STAGES;
+            load_tile_async<64, S::DK, THREADS>(sm.q(s), ch.q, S::CW, ch.valid);
+            load_tile_async<64, S::DK, THREADS>(sm.k(s), ch.k, S::CW, ch.valid);
+            for (int i = threadIdx.x; i < 64 * (BV / 8); i += THREADS) {
+                const int r = i / (BV / 8), c = i % (BV / 8);
+                const bool in = r < ch.valid;
+                cp_async16(sm.v(s) + r * Sm::VLD + c * 8, in ? ch.v + (size_t)r * S::CW + j0 + c * 8 : ch.v, in);
+            }
+            load_mat64_async<THREADS>(sm.wy(s), wy + ch.scratch * 64 * 64);
+            load_mat64_async<THREADS>(sm.aqk(s), aqk + ch.scratch * 64 * 64);
+            for (int i = threadIdx.x; i < GDN_FAC / 4; i += THREADS)
+                cp_async16(sm.fac(s) + 4 * i, fac + ch.scratch * GDN_FAC + 4 * i, true);
+        }
+        cp_async_commit();
+    };
+
+    // The state slice: warp w holds rows (dk) w*DK/4 .. of S for the slice's columns, as mma accumulators.
+    float acc_s[MS][NB][4];
+    const int i_base = warp * (S::DK / 4);
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                acc_s[ms][nb][e] = has_state ? state_h[(size_t)j * S::DK + i] : 0.f;
+                st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
+            }
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load(s);
+#pragma unroll 1
+    for (int n = 0; n < chunks; ++n) {
+        if constexpr (STAGES == 1) load(n);
+        cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+        __syncthreads();  // chunk n has landed; every warp is done with chunk n - 1 (and st holds its state)
+        if constexpr (STAGES > 1) load(n + STAGES - 1);
+        const int s = n % STAGES, t0 = n * GDN_BT, valid = min(GDN_BT, T - t0);
+        const SwizzledTile<64, S::DK> q = sm.q(s), k = sm.k(s);
+        const bf16* v = sm.v(s);
+        const float* f = sm.fac(s);
+        const int r0 = 16 * warp;  // this warp's token rows in the token-row products
+
+        // k S and q S (tf32: k, q exact, S rounded)
+        float ks[NB][4] = {}, qs[NB][4] = {};
+#pragma unroll 4
+        for (int d = 0; d < S::DK; d += 8) {
+            const unsigned ak[4] = {tf32(k.at(r0 + gq, d + tq)), tf32(k.at(r0 + gq + 8, d + tq)),
+                                    tf32(k.at(r0 + gq, d + tq + 4)), tf32(k.at(r0 + gq + 8, d + tq + 4))};
+            const unsigned aq[4] = {tf32(q.at(r0 + gq, d + tq)), tf32(q.at(r0 + gq + 8, d + tq)),
+                                    tf32(q.at(r0 + gq, d + tq + 4)), tf32(q.at(r0 + gq + 8, d + tq + 4))};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const unsigned b[2] = {st[(8 * nb + gq) * Sm::STLD + d + tq], st[(8 * nb + gq) * Sm::STLD + d + tq + 4]};
+                mma_tf32(ks[nb], ak, b);
+                mma_tf32(qs[nb], aq, b);
+            }
+        }
+        // r = beta (v - a o kS), transposed into xt
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = r0 + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                xt[j * GDN_MAT_LD + i] = f[i] * (__bfloat162float(v[i * Sm::VLD + j]) - f[64 + i] * ks[nb][e]);
+            }
+        __syncthreads();
+        // v' = T r
+        float vn[NB][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < 64; kt += 8) {
+            unsigned a[4];
+            mat64_a_frag(a, sm.wy(s), r0, kt);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const unsigned b[2] = {tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]),
+                                       tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4])};
+                mma_tf32(vn[nb], a, b);
+            }
+        }
+        __syncthreads();  // every warp has read r
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                xt[(8 * nb + 2 * tq + e % 2) * GDN_MAT_LD + r0 + gq + 8 * (e / 2)] = vn[nb][e];
+        __syncthreads();
+
+        // o = qf o (q S) + Aqk v'
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qs[nb][e] *= f[128 + r0 + gq + 8 * (e / 2)];
+#pragma unroll
+        for (int kt = 0; kt < 64; kt += 8) {
+            unsigned a[4];
+            mat64_a_frag(a, sm.aqk(s), r0, kt);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const unsigned b[2] = {tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]),
+                                       tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4])};
+                mma_tf32(qs[nb], a, b);
+            }
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = r0 + gq + 8 * half;
+                if (i < valid)
+                    *reinterpret_cast<float2*>(o + ((size_t)(t0 + i) * S::HV + h) * S::DV + j0 + 8 * nb + 2 * tq) =
+                        make_float2(qs[nb][2 * half], qs[nb][2 * half + 1]);
+            }
+
+        // S = e^(c_last) S + (kf o k)^T v'
+        const float decay = f[256];
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[ms][nb][e] *= decay;
+#pragma unroll
+        for (int kt = 0; kt < 64; kt += 8) {
+            const float kf0 = f[192 + kt + tq], kf1 = f[192 + kt + tq + 4];
+            unsigned b[NB][2];
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                b[nb][0] = tf32(kf0 * xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]);
+                b[nb][1] = tf32(kf1 * xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4]);
+            }
+#pragma unroll
+            for (int ms = 0; ms < MS; ++ms) {
+                const int i0 = i_base + 16 * ms;
+                const unsigned a[4] = {tf32(k.at(kt + tq, i0 + gq)), tf32(k.at(kt + tq, i0 + gq + 8)),
+                                       tf32(k.at(kt + tq + 4, i0 + gq)), tf32(k.at(kt + tq + 4, i0 + gq + 8))};
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) mma_tf32(acc_s[ms][nb], a, b[nb]);
+            }
+        }
+        // the new state as the next chunk's tf32 operand (every warp read st before the first barrier above)
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                    st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
+                }
+        if constexpr (STAGES == 1) __syncthreads();  // the next load overwrites this chunk's stage
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                state_h[(size_t)j * S::DK + i] = acc_s[ms][nb][e];
+            }
+}
+
+// ---- gated RMSNorm of the output ------------------------------------------------------------------------------
+
+// One (token, head) per warp: y = w * (o * rsqrt(mean(o^2) + eps)) * silu(z), bf16. o and z are DV fp32 values,
+// w the DV fp32 weights (plain w: this norm is not zero-centred).
+template <int DV>
+__device__ __forceinline__ void gated_rmsnorm_warp(const float* __restrict__ o, const float* __restrict__ z,
+                                                   const float* __restrict__ w, bf16* __restrict__ y, float eps) {
+    constexpr int E = DV / 32;
+    const int lane = threadIdx.x % 32;
+    float v[E], ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        v[e] = o[e * 32 + lane];
+        ss += v[e] * v[e];
+    }
+    const float rstd = rsqrtf(warp_sum(ss) / DV + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int d = e * 32 + lane;
+        y[d] = __float2bfloat16(w[d] * (v[e] * rstd) * silu(z[d]));
+    }
+}
+
+}  // namespace lucegen

@@ -1,0 +1,164 @@
+// gemm.cuh: Y = X W^T on tensor cores, for every projection of the prefill.
+//
+// X [M, K] bf16 (the M = T token rows, row-major), W [N, K] bf16 (the weight, row-major as stored), fp32
+// accumulation, K a multiple of 64. A block computes a BM x BN tile of Y with WM x WN warps (mma.sync m16n8k16);
+// the K loop streams BK = 64 columns of X and W per step through STAGES cp.async stages in swizzled shared memory.
+// Blocks are numbered in groups of GROUP_M row tiles that walk all column tiles together, so the blocks resident at
+// once read the same few W tiles from L2 instead of each streaming W from DRAM.
+//
+// The epilogue is a functor called once per warp with its accumulators (see the Store / Add / SiluMul below), so a
+// residual add or the MLP's SiLU(gate) * up costs no extra pass over memory.
+#pragma once
+#include "activation.cuh"
+#include "mma.cuh"
+
+namespace lucegen {
+
+template <int BM_, int BN_, int WM_, int WN_, int STAGES_>
+struct GemmShape {
+    static constexpr int BM = BM_, BN = BN_, BK = 64, WM = WM_, WN = WN_, STAGES = STAGES_;
+    static constexpr int THREADS = WM * WN * 32;
+    static constexpr int TM = BM / WM, TN = BN / WN;  // one warp's tile
+    static constexpr int MI = TM / 16, NI = TN / 8;    // its mma tiles
+    static constexpr int GROUP_M = 8;
+    static constexpr int SMEM = STAGES * (BM + BN) * BK * 2;
+    static_assert(TM % 16 == 0 && TN % 16 == 0 && STAGES >= 2, "GEMM tile shape");
+};
+
+// Visit a warp tile's accumulators as pairs of adjacent columns: f(row, col, Y[row][col], Y[row][col + 1]).
+template <int MI, int NI, class F>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[MI][NI][4], int row0, int col0, F&& f) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const int r = row0 + mi * 16 + g, c = col0 + ni * 8 + 2 * t;
+            f(r, c, acc[mi][ni][0], acc[mi][ni][1]);
+            f(r + 8, c, acc[mi][ni][2], acc[mi][ni][3]);
+        }
+}
+
+// ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
+
+struct StoreBf16 {  // Y [M, N] bf16
+    bf16* y;
+    template <int MI, int NI>
+    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
+            if (r < M && c < N) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r * N + c) = __floats2bfloat162_rn(a, b);
+        });
+    }
+};
+
+struct StoreF32 {  // Y [M, N] fp32
+    float* y;
+    template <int MI, int NI>
+    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
+            if (r < M && c < N) *reinterpret_cast<float2*>(y + (size_t)r * N + c) = make_float2(a, b);
+        });
+    }
+};
+
+struct AddF32 {  // Y [M, N] fp32 += X W^T: the residual stream after an output projection
+    float* y;
+    template <int MI, int NI>
+    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
+            if (r < M && c < N) {
+                float2* p = reinterpret_cast<float2*>(y + (size_t)r * N + c);
+                const float2 old = *p;
+                *p = make_float2(old.x + a, old.y + b);
+            }
+        });
+    }
+};
+
+// The MLP's act = silu(gate) * up, Y [M, N/2] bf16, from a W whose rows pair gate_proj and up_proj (row 2i =
+// gate row i, row 2i + 1 = up row i: the decode megakernel's packing): a thread's two adjacent columns are the gate
+// and the up value of one output.
+struct SiluMulBf16 {
+    bf16* y;
+    template <int MI, int NI>
+    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
+        for_each_pair(acc, row0, col0, [&](int r, int c, float gate, float up) {
+            if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
+        });
+    }
+};
+
+// ---- the block ------------------------------------------------------------------------------------------------
+
+// This block's (row tile, column tile) in grouped order.
+template <class S>
+__device__ __forceinline__ void gemm_block_tile(int tiles_m, int tiles_n, int& tm, int& tn) {
+    const int per_group = S::GROUP_M * tiles_n, id = blockIdx.x % per_group;
+    const int first = blockIdx.x / per_group * S::GROUP_M, rows = min(tiles_m - first, S::GROUP_M);
+    tm = first + id % rows;
+    tn = id / rows;
+}
+
+// One block's BM x BN tile of Y = X W^T; launched with ceil(M/BM) * ceil(N/BN) blocks of S::THREADS threads and
+// S::SMEM bytes of dynamic shared memory.
+template <class S, class Epilogue>
+__device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict__ W, int M, int N, int K,
+                             const Epilogue& epilogue, unsigned char* smem) {
+    using ATile = SwizzledTile<S::BM, S::BK>;
+    using BTile = SwizzledTile<S::BN, S::BK>;
+    constexpr int STAGE = ATile::BYTES + BTile::BYTES;
+    int tm, tn;
+    gemm_block_tile<S>((M + S::BM - 1) / S::BM, (N + S::BN - 1) / S::BN, tm, tn);
+    const int m0 = tm * S::BM, n0 = tn * S::BN, k_tiles = K / S::BK;
+    const int warp = threadIdx.x / 32, wm = warp / S::WN * S::TM, wn = warp % S::WN * S::TN;
+    const bf16* x = X + (size_t)m0 * K;
+    const bf16* w = W + (size_t)n0 * K;
+
+    auto load = [&](int kt) {  // k tile kt into stage kt % STAGES; always one commit, so group counts stay aligned
+        if (kt < k_tiles) {
+            unsigned char* stage = smem + (kt % S::STAGES) * STAGE;
+            load_tile_async<S::BM, S::BK, S::THREADS>(ATile{stage}, x + kt * S::BK, K, M - m0);
+            load_tile_async<S::BN, S::BK, S::THREADS>(BTile{stage + ATile::BYTES}, w + kt * S::BK, K, N - n0);
+        }
+        cp_async_commit();
+    };
+
+    float acc[S::MI][S::NI][4];
+#pragma unroll
+    for (int mi = 0; mi < S::MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < S::NI; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < S::STAGES - 1; ++s) load(s);
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<S::STAGES - 2>();  // k tile kt has landed (for this thread) ...
+        __syncthreads();                 // ... for every thread, and every warp is done with k tile kt - 1
+        load(kt + S::STAGES - 1);        // into the stage k tile kt - 1 used
+        const ATile a{smem + (kt % S::STAGES) * STAGE};
+        const BTile b{smem + (kt % S::STAGES) * STAGE + ATile::BYTES};
+#pragma unroll
+        for (int kk = 0; kk < S::BK; kk += 16) {
+            unsigned af[S::MI][4], bfrag[S::NI][2];
+#pragma unroll
+            for (int mi = 0; mi < S::MI; ++mi) load_a_frag(af[mi], a, wm + mi * 16, kk);
+#pragma unroll
+            for (int ni = 0; ni < S::NI; ni += 2) {
+                unsigned r[4];
+                load_b_frags_nk(r, b, wn + ni * 8, kk);
+                bfrag[ni][0] = r[0], bfrag[ni][1] = r[1], bfrag[ni + 1][0] = r[2], bfrag[ni + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < S::MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < S::NI; ++ni) mma_bf16(acc[mi][ni], af[mi], bfrag[ni]);
+        }
+    }
+    cp_async_wait<0>();
+    epilogue(acc, m0 + wm, n0 + wn, M, N);
+}
+
+}  // namespace lucegen

@@ -1,0 +1,403 @@
+"""The prefill kernels on the GPU against their numpy references on fresh inputs, and the whole prefill against the
+reference model (logits and every piece of state), chunked against one-shot, continued by further tokens, and
+against HF transformers.
+
+Outputs are poisoned (all bits set: NaN) before every launch so an element a kernel fails to write shows; state a
+kernel must not read at position 0 is poisoned too. Tolerances (relative error ||out - ref|| / ||ref||):
+  bf16 outputs of fp32 math          8e-3   (rounding to bf16: <= 2^-9 = 2e-3 per element, ~1.1e-3 RMS)
+  fp32 outputs of bf16-input GEMMs   1e-5   (exact products, fp32 sums in another order)
+  the chunked delta rule             2e-3   (tf32 operands for every product with S, v' and T: a numpy emulation of
+                                             the kernel's algorithm with tf32 rounding gives 3e-4 .. 4.3e-4 for
+                                             T = 1 .. 4097, strong and weak decay, without growth over chunks)
+  attention                          1e-2   (bf16 probabilities into P V, bf16 output)
+  whole prefill                      see E2E_RTOL: a numpy emulation of the prefill's bf16 rounding points (bf16
+                                             activations into every GEMM and attention, bf16 weights on both sides)
+                                             measured the error a correct kernel set has against the fp32 reference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lucegen.codegen.build import build
+from lucegen.engine.prefill import Prefill, units
+from lucegen.engine.state import DeviceState
+from lucegen.engine.weights import DeviceWeights
+from lucegen.kernels import attention, conv1d, gdn, gemm, rows
+from lucegen.model.config import load_config, tiny_config
+from lucegen.reference import State, decode_step, random_weights, relative_error
+from lucegen.reference.model import decoder_layer, lm_head
+from lucegen.reference.ops import rms_norm
+from lucegen.runtime import DeviceArray, synchronize
+from lucegen.spec import spec_for_current_device
+
+pytestmark = pytest.mark.gpu
+BF16 = ml_dtypes.bfloat16
+SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+LENGTHS = st.one_of(st.sampled_from([1, 63, 64, 65, 520]), st.integers(1, 700))
+
+# The real structure (3 DeltaNet : 1 attention, 2 value heads per key head, 2 query heads per KV head) with the head
+# dims the tensor-core tiles take (64).
+TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
+                   linear_key_head_dim=64, linear_value_head_dim=64)
+MODELS = {"tiny": lambda: TINY, "0.8b": lambda: load_config("qwen3.5-0.8b"), "27b": lambda: load_config("qwen3.5-27b")}
+# Whole-prefill tolerances per model: ~2.5x what a numpy emulation of the prefill's bf16 rounding points measured
+# against the fp32 reference on logits and states (tiny: 0.4 .. 2.0 %, 0.8B: 1.6 .. 2.7 %; T = 1 .. 4097, and the
+# token after the prompt), far below the O(1) error of a wrong index, position, mask or state layout.
+E2E_RTOL = {"tiny": 5e-2, "0.8b": 7e-2}
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out = np.asarray(out).astype(np.float32)
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return relative_error(out, ref)
+
+
+def poisoned(shape, dtype) -> DeviceArray:
+    a = DeviceArray.empty(shape, dtype)
+    a.fill_bytes(0xFF)
+    return a
+
+
+def dev(a: np.ndarray) -> DeviceArray:
+    return DeviceArray.from_numpy(np.ascontiguousarray(a))
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(BF16)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return spec_for_current_device()
+
+
+@pytest.fixture(scope="module")
+def kernels(spec, tmp_path_factory):
+    """kernels(model) -> the prefill's kernel objects for that model shape, built once."""
+    root = tmp_path_factory.mktemp("build")
+
+    @cache
+    def get(name: str):
+        cfg = MODELS[name]()
+        result = build(spec, cfg, units(spec, cfg), root=root)
+        mods = {u.unit.template: result.module(u.unit.name) for u in result.units}
+        return SimpleNamespace(
+            cfg=cfg, gemm=gemm.Gemm(mods["prefill_gemm.cu.j2"], spec), rows=rows.Rows(mods["prefill_rows.cu.j2"], spec, cfg),
+            conv=conv1d.Conv1dGates(mods["prefill_conv1d.cu.j2"], cfg),
+            gdn=gdn.ChunkedDeltaRule(mods["prefill_gdn.cu.j2"], spec, cfg),
+            attn=attention.Attention(mods["prefill_attention.cu.j2"], cfg))
+    return get
+
+
+# ---- GEMM --------------------------------------------------------------------------------------------------------
+
+GEMM_KS = [64, 128, 1024, 3584, 5120]
+
+
+@pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
+@pytest.mark.parametrize("tile", ["large", "small"])
+@SETTINGS
+@given(m=LENGTHS, n16=st.integers(1, 80), k=st.sampled_from(GEMM_KS), seed=st.integers(0, 2**32 - 1))
+def test_gemm_matches_numpy(kernels, spec, epilogue, tile, m, n16, k, seed):
+    op = kernels("tiny").gemm
+    config = gemm.tile_configs(spec)[tile == "small"]
+    n = 16 * n16 - 2 * (seed % 8)  # every even N mod 16: partial last column tiles
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf16(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    width = n // 2 if epilogue == "silu" else n
+    y0 = rng.standard_normal((m, width), dtype=np.float32)
+    out_dtype = BF16 if epilogue in ("bf16", "silu") else np.float32
+    y = dev(y0) if epilogue == "add" else poisoned((m, width), out_dtype)
+    op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
+    ref = gemm.reference(x, w, epilogue, y0)
+    assert rel_err(y.numpy(), ref) < (8e-3 if out_dtype == BF16 else 1e-5)
+
+
+# ---- rows --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
+@SETTINGS
+@given(T=LENGTHS, scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**32 - 1))
+def test_embed_and_rmsnorm_match_numpy(kernels, model, T, scale, seed):
+    k = kernels(model)
+    H, V = k.cfg.hidden_size, 1000
+    rng = np.random.default_rng(seed)
+    table = bf16(rng.standard_normal((V, H), dtype=np.float32))
+    ids = rng.integers(0, V, T).astype(np.int32)
+    x = poisoned((T, H), np.float32)
+    k.rows.embed(dev(ids), dev(table), x, T)
+    assert np.array_equal(x.numpy(), rows.embed_reference(table, ids))
+    xs = (scale * rng.standard_normal((T, H))).astype(np.float32)
+    w = (0.5 * rng.standard_normal(H)).astype(np.float32)
+    y = poisoned((T, H), BF16)
+    k.rows.rmsnorm(dev(xs), dev(w), y, T, 1e-6)
+    assert rel_err(y.numpy(), rows.rmsnorm_reference(xs, w, 1e-6)) < 8e-3
+
+
+# ---- conv1d + gates ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
+@SETTINGS
+@given(T=st.one_of(st.sampled_from([1, 2, 3, 4, 63, 64, 65, 520]), st.integers(1, 300)),
+       start=st.sampled_from([0, 1, 2, 3, 5, 64, 1001]), seed=st.integers(0, 2**32 - 1))
+def test_conv1d_and_gates_match_numpy(kernels, model, T, start, seed):
+    k = kernels(model)
+    c = k.cfg
+    K, C, HV = c.linear_conv_kernel_dim, c.conv_dim, c.linear_num_value_heads
+    rng = np.random.default_rng(seed)
+    mixed = rng.standard_normal((T, C + c.value_dim + 2 * HV), dtype=np.float32)
+    conv_w = (rng.standard_normal((C, K)) / 2).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 16, HV)).astype(np.float32)
+    dt_bias = (0.1 * rng.standard_normal(HV)).astype(np.float32)
+    ring0 = rng.standard_normal((K, C), dtype=np.float32)
+    if start == 0:  # nothing before the prompt: the ring must not be read
+        ring0[:] = np.nan
+    ring = dev(ring0)
+    qkv, g, beta = poisoned((T, C), BF16), poisoned((T, HV), np.float32), poisoned((T, HV), np.float32)
+    k.conv(dev(mixed), dev(conv_w), dev(a_log), dev(dt_bias), ring, qkv, g, beta, T, start)
+    ref_qkv, ref_g, ref_beta, ref_ring = conv1d.reference(c, mixed, conv_w, a_log, dt_bias,
+                                                          np.nan_to_num(ring0, nan=0.0), start)
+    assert rel_err(qkv.numpy(), ref_qkv) < 8e-3
+    assert rel_err(g.numpy(), ref_g) < 1e-5
+    assert rel_err(beta.numpy(), ref_beta) < 1e-5
+    # the new state (slots of positions start+T-K+1 .. start+T-1 at or after 0) is the reference's, bit for bit
+    out_ring = ring.numpy()
+    for p in range(max(0, start + T - K + 1), start + T):
+        assert np.array_equal(out_ring[p % K], ref_ring[p % K]), f"conv state of position {p}"
+
+
+# ---- the chunked delta rule --------------------------------------------------------------------------------------
+
+def gdn_inputs(cfg, T: int, rng, weak_decay: bool):
+    qkv = bf16(rng.standard_normal((T, cfg.conv_dim), dtype=np.float32))
+    hv = cfg.linear_num_value_heads
+    rate = 1e-3 if weak_decay else rng.uniform(1, 16, hv)
+    g = (-rate * np.log1p(np.exp(rng.standard_normal((T, hv))))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T, hv))))).astype(np.float32)
+    return qkv, g, beta
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
+@SETTINGS
+@given(T=LENGTHS, has_state=st.booleans(), weak_decay=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_chunked_delta_rule_matches_numpy(kernels, model, T, has_state, weak_decay, seed):
+    k = kernels(model)
+    c = k.cfg
+    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    rng = np.random.default_rng(seed)
+    qkv, g, beta = gdn_inputs(c, T, rng, weak_decay)
+    s0 = (0.1 * rng.standard_normal((hv, dv, dk))).astype(np.float32)
+    state = dev(s0) if has_state else poisoned((hv, dv, dk), np.float32)  # at position 0 S is never read
+    o = poisoned((T, hv, dv), np.float32)
+    scratch = gdn.Scratch(c, T)
+    k.gdn(dev(qkv), dev(g), dev(beta), state, o, scratch, T, has_state)
+    ref_o, ref_s = gdn.reference(c, qkv, g, beta, s0 if has_state else None)
+    assert rel_err(o.numpy(), ref_o) < 2e-3
+    assert rel_err(state.numpy(), ref_s) < 2e-3
+    scratch.free()
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b"])
+@SETTINGS
+@given(T=LENGTHS, seed=st.integers(0, 2**32 - 1))
+def test_gated_norm_matches_numpy(kernels, model, T, seed):
+    k = kernels(model)
+    c = k.cfg
+    hv, dv, C = c.linear_num_value_heads, c.linear_value_head_dim, c.conv_dim
+    rng = np.random.default_rng(seed)
+    o = rng.standard_normal((T, hv, dv), dtype=np.float32)
+    mixed = rng.standard_normal((T, C + c.value_dim + 2 * hv), dtype=np.float32)
+    w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    y = poisoned((T, hv * dv), BF16)
+    k.gdn.gated_norm(dev(o), dev(mixed), dev(w), y, T, 1e-6)
+    ref = gdn.gated_norm_reference(o, mixed[:, C:C + c.value_dim].reshape(T, hv, dv), w, 1e-6)
+    assert rel_err(y.numpy(), ref) < 8e-3
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
+@SETTINGS
+@given(T=st.one_of(st.sampled_from([1, 63, 64, 65]), st.integers(1, 200)),
+       start=st.sampled_from([0, 1, 1000, 65535, 200_000]), seed=st.integers(0, 2**32 - 1))
+def test_attention_prep_matches_numpy(kernels, model, T, start, seed):
+    k = kernels(model)
+    c = k.cfg
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rng = np.random.default_rng(seed)
+    qkv = bf16(3 * rng.standard_normal((T, c.q_proj_rows + 2 * c.kv_dim), dtype=np.float32))
+    qn, kn = (0.1 * rng.standard_normal((2, hd))).astype(np.float32)
+    q = poisoned((T, nh, hd), BF16)
+    kc, vc = poisoned((start + T, nkv, hd), BF16), poisoned((start + T, nkv, hd), BF16)
+    k.attn.prep(dev(qkv), dev(qn), dev(kn), q, kc, vc, T, start)
+    ref_q, ref_k, ref_v = attention.prep_reference(c, qkv, qn, kn, start)
+    written = lambda cache: cache.view((T, nkv, hd), offset_bytes=start * nkv * hd * 2).numpy()
+    assert rel_err(q.numpy(), ref_q) < 8e-3
+    assert rel_err(written(kc), ref_k) < 8e-3
+    assert np.array_equal(written(vc), bf16(ref_v))
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
+@SETTINGS
+@given(T=LENGTHS, start=st.sampled_from([0, 1, 37, 64, 1000]), sharp=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_flash_attention_matches_numpy(kernels, model, T, start, sharp, seed):
+    k = kernels(model)
+    c = k.cfg
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rng = np.random.default_rng(seed)
+    q = bf16((4.0 if sharp else 1.0) * rng.standard_normal((T, nh, hd), dtype=np.float32))
+    keys = bf16(rng.standard_normal((start + T, nkv, hd), dtype=np.float32))
+    values = bf16(rng.standard_normal((start + T, nkv, hd), dtype=np.float32))
+    qkv = bf16(rng.standard_normal((T, c.q_proj_rows + 2 * c.kv_dim), dtype=np.float32))  # the gates
+    kc = DeviceArray.empty((start + T + 70, nkv, hd), BF16)  # rows past the cache's end hold NaN: never used
+    kc.fill_bytes(0xFF)
+    vc = DeviceArray.empty((start + T + 70, nkv, hd), BF16)
+    vc.fill_bytes(0xFF)
+    kc.view(keys.shape).copy_from(keys)
+    vc.view(values.shape).copy_from(values)
+    out = poisoned((T, nh * hd), BF16)
+    k.attn.attend(dev(q), kc, vc, dev(qkv), out, T, start)
+    _, gate, _, _ = attention.split_qkv(c, qkv)
+    assert rel_err(out.numpy(), attention.reference(c, q, keys, values, gate)) < 1e-2
+
+
+# ---- the whole prefill -------------------------------------------------------------------------------------------
+
+@cache
+def model_weights(name: str, seed: int = 3) -> dict[str, np.ndarray]:
+    """Random weights with the matrices rounded to bf16 (what the GPU holds), as float32 for the reference."""
+    w = random_weights(MODELS[name](), seed=seed)
+    return {n: bf16(a).astype(np.float32) if a.ndim == 2 else a for n, a in w.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(spec, tmp_path_factory):
+    """engine(model, chunk_tokens) -> (Prefill, DeviceWeights), built and uploaded once."""
+    root = tmp_path_factory.mktemp("engine")
+    uploaded = {}
+
+    @cache
+    def get(name: str, chunk_tokens: int | None = None):
+        cfg = MODELS[name]()
+        if name not in uploaded:
+            uploaded[name] = DeviceWeights.upload(cfg, spec, model_weights(name))
+        return Prefill(spec, cfg, chunk_tokens=chunk_tokens, root=root), uploaded[name]
+    return get
+
+
+def reference_last_logits(weights, cfg, ids, state: State) -> np.ndarray:
+    """The reference forward of ids after `state` (advanced in place), logits of the last token only."""
+    x = weights["embed_tokens.weight"][np.asarray(ids)]
+    for i in range(cfg.num_hidden_layers):
+        x = decoder_layer(weights, cfg, i, x, state)
+    state.position += len(ids)
+    return rms_norm(x[-1], weights["norm.weight"], cfg.rms_norm_eps) @ lm_head(weights).T
+
+
+def run(engine_and_weights, state: DeviceState, ids) -> np.ndarray:
+    prefill, weights = engine_and_weights
+    logits = prefill(weights, state, ids).numpy()
+    synchronize()
+    return logits
+
+
+def assert_state_close(dev_state: DeviceState, ref: State, rtol: float) -> None:
+    got = dev_state.to_reference()
+    assert got.position == ref.position
+    for table in ("conv", "recurrent", "keys", "values"):
+        mine, theirs = getattr(got, table), getattr(ref, table)
+        assert mine.keys() == theirs.keys(), table
+        for i in theirs:
+            assert rel_err(mine[i], theirs[i]) < rtol, f"{table} of layer {i}"
+
+
+@pytest.mark.parametrize("model, T", [(m, T) for m in ("tiny", "0.8b") for T in (1, 63, 64, 65, 520, 4097)])
+def test_prefill_matches_the_reference(engine, model, T):
+    cfg, w = MODELS[model](), model_weights(model)
+    ids = np.random.default_rng(T).integers(0, cfg.vocab_size, T)
+    state = DeviceState(cfg, T + 16)
+    logits = run(engine(model), state, ids)
+    ref_state = State()
+    ref = reference_last_logits(w, cfg, ids, ref_state)
+    assert rel_err(logits, ref) < E2E_RTOL[model]
+    assert_state_close(state, ref_state, E2E_RTOL[model])
+    state.free()
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b"])
+def test_chunked_prefill_equals_one_shot(engine, model):
+    cfg = MODELS[model]()
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 520)
+    one, two = DeviceState(cfg, 600), DeviceState(cfg, 600)
+    a = run(engine(model), one, ids)
+    b = run(engine(model, 256), two, ids)  # passes of 256 + 256 + 8 tokens
+    assert two.position == one.position == 520
+    assert rel_err(b, a) < 1e-5  # the same arithmetic (chunk-aligned DeltaNet rule, the same K loop per element)
+    assert_state_close(two, one.to_reference(), 1e-5)
+    one.free(), two.free()
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b"])
+@pytest.mark.parametrize("T", [1, 65, 520])
+def test_decode_continues_the_prefill(engine, model, T):
+    """prefill(T) then one more token (the DeltaNet state read back, the KV cache extended) equals the reference's
+    prefill + decode_step (recurrent rule), and a state taken over from the reference continues like it."""
+    cfg, w = MODELS[model](), model_weights(model)
+    ids = np.random.default_rng(T + 1).integers(0, cfg.vocab_size, T + 2)
+    state = DeviceState(cfg, T + 16)
+    run(engine(model), state, ids[:T])
+    step = run(engine(model), state, ids[T:T + 1])
+    ref_state = State()
+    reference_last_logits(w, cfg, ids[:T], ref_state)
+    ref_step = decode_step(w, cfg, int(ids[T]), ref_state)
+    assert rel_err(step, ref_step) < E2E_RTOL[model]
+    assert_state_close(state, ref_state, E2E_RTOL[model])
+
+    state.load_reference(ref_state)  # continue the reference's own state on the GPU
+    nxt = run(engine(model), state, ids[T + 1:])
+    assert rel_err(nxt, decode_step(w, cfg, int(ids[T + 1]), ref_state)) < E2E_RTOL[model]
+    state.free()
+
+
+HF_LOGITS = Path(__file__).resolve().parents[2] / "tools" / "hf_logits.py"
+
+
+def hf_last_logits(cfg, weights: dict[str, np.ndarray], ids: np.ndarray, tmp: Path) -> np.ndarray:
+    """HF's float32 logits of the last token of `ids`, computed by tools/hf_logits.py in a process of its own: torch
+    is never imported into the pytest process (there, `import torch` 2.11 fails while torch registers its own
+    custom ops: "expected ident but found ')' here: annotate(strtag) -> ()")."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("HF comparison needs torch and transformers")
+    paths = {name: tmp / name for name in ("config.json", "weights.npz", "ids.npy", "logits.npy")}
+    paths["config.json"].write_text(json.dumps(cfg.to_hf_dict()))
+    np.savez(paths["weights.npz"], **weights)
+    np.save(paths["ids.npy"], np.asarray(ids, np.int64))
+    proc = subprocess.run([sys.executable, str(HF_LOGITS), *map(str, paths.values()), "--device", "cuda"],
+                          check=False, capture_output=True, text=True, timeout=900, cwd=HF_LOGITS.parents[1])
+    assert proc.returncode == 0, f"tools/hf_logits.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return np.load(paths["logits.npy"])
+
+
+@pytest.mark.parametrize("model, T", [("tiny", 65), ("tiny", 520), ("0.8b", 520)])
+def test_prefill_matches_hf(engine, model, T, tmp_path):
+    """Against HF transformers' float32 Qwen3_5ForCausalLM (eager attention, torch DeltaNet ops) with the same
+    weights: the reference's own parity with HF is 1e-5 (tools/hf_parity.py), so the bf16 tolerance applies."""
+    cfg, w = MODELS[model](), model_weights(model)
+    ids = np.random.default_rng(T + 7).integers(0, cfg.vocab_size, T)
+    hf = hf_last_logits(cfg, w, ids, tmp_path)
+    state = DeviceState(cfg, T)
+    assert rel_err(run(engine(model), state, ids), hf) < E2E_RTOL[model]
+    state.free()

@@ -1,0 +1,106 @@
+"""The prefill without a GPU: its kernels compile spill-free for every chip (for the 0.8B / 27B shapes
+tests/test_codegen.py builds them through kernels.FAMILIES; here the small test model of tests/gpu), the launch
+configurations fit each chip, and the host-side layouts (fused weights, conv ring, state) agree with the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from lucegen.codegen.build import build
+from lucegen.engine.prefill import shape_problem, units
+from lucegen.kernels import conv1d, gdn, gemm
+from lucegen.kernels.megakernel import pack_layer_tensor
+from lucegen.model.config import load_config, tiny_config
+from lucegen.reference import random_weights
+from lucegen.reference.deltanet import causal_conv1d
+from lucegen.reference.ops import silu
+from lucegen.spec import all_specs, list_specs, load_spec
+
+TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
+                   linear_key_head_dim=64, linear_value_head_dim=64)  # tests/gpu/test_prefill_gpu.py's model
+REAL = [load_config("qwen3.5-0.8b"), load_config("qwen3.5-27b")]
+
+
+@pytest.mark.parametrize("spec_name", list_specs())
+def test_prefill_kernels_compile_for_the_test_model(tmp_path, spec_name):
+    spec = load_spec(spec_name)
+    result = build(spec, TINY, units(spec, TINY), root=tmp_path)
+    names = {k.name for k in result.kernels}
+    assert {"gemm_64x128_add", "conv1d_gates", "gdn_chunk_scan", "attention_prefill_causal"} <= names
+    for k in result.kernels:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
+        assert k.coresident_blocks >= 1, f"{k.name} cannot run on {spec_name}"
+        assert k.static_smem + k.dynamic_smem <= spec.chip.smem_per_block
+
+
+@pytest.mark.parametrize("spec", all_specs(), ids=lambda s: s.name)
+def test_launch_configurations_fit_every_chip(spec):
+    for c in gemm.tile_configs(spec):
+        assert c.smem <= spec.chip.smem_per_block and c.stages >= 2 and c.threads <= 1024
+    for cfg in REAL + [TINY]:
+        bv, stages = gdn.scan_config(spec, cfg)
+        assert cfg.linear_value_head_dim % bv == 0 and gdn.scan_smem(cfg, bv, stages) <= spec.chip.smem_per_block
+        assert gdn.prep_smem(cfg) <= spec.chip.smem_per_block
+        assert shape_problem(spec, cfg) is None
+
+
+def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short():
+    h200 = load_spec("h200")
+    large, small = gemm.tile_configs(h200)
+    assert gemm.choose(h200, 8192, 17408) == large
+    assert gemm.choose(h200, 64, 1024) == small
+
+
+def test_shapes_the_tiles_cannot_take_are_refused_with_a_reason():
+    h200 = load_spec("h200")
+    assert "dk a multiple of 64" in shape_problem(h200, tiny_config())   # dk = 16
+    assert "head_dim a multiple of 64" in shape_problem(h200, tiny_config(linear_key_head_dim=64,
+                                                                          linear_value_head_dim=64))
+    assert not gdn.units(h200, tiny_config()) and len(gdn.units(h200, TINY)) == 1
+
+
+@pytest.mark.parametrize("cfg", [TINY, tiny_config(name="ratio3", linear_num_value_heads=6, hidden_size=128,
+                                                   intermediate_size=256, head_dim=64, linear_key_head_dim=64,
+                                                   linear_value_head_dim=64)], ids=lambda c: c.name)
+def test_the_megakernels_packing_feeds_the_prefill_gemms(cfg):
+    """The prefill reads the decode megakernel's weight arena: its fused in-projections are the separate ones
+    concatenated in the order the prefill's kernels split them, and its paired gate/up rows give the MLP through
+    the `silu` epilogue."""
+    w = random_weights(cfg, seed=1)
+    x = np.random.default_rng(2).standard_normal((5, cfg.hidden_size), dtype=np.float32)
+    for i in range(cfg.num_hidden_layers):
+        packed = lambda name: pack_layer_tensor(w, cfg, i, name).astype(np.float32)
+        p = lambda n: w[f"layers.{i}.{n}"].astype(np.float32)
+        names = ([f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")] if i in cfg.linear_layers
+                 else [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")])
+        assert np.allclose(x @ packed("in").T, np.concatenate([x @ p(n).T for n in names], -1), atol=1e-5)
+        mlp = silu(x @ p("mlp.gate_proj.weight").T) * (x @ p("mlp.up_proj.weight").T)
+        assert np.allclose(gemm.reference(x, packed("gate_up"), "silu"), mlp, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(position=st.integers(0, 200), seed=st.integers(0, 2**16))
+def test_conv_ring_holds_the_reference_conv_state(position, seed):
+    state = np.random.default_rng(seed).standard_normal((3, 8), dtype=np.float32)
+    state[:max(0, 3 - position)] = 0  # positions before 0 are zeros in the reference
+    assert np.array_equal(conv1d.ring_to_state(conv1d.state_to_ring(state, position), position), state)
+
+
+@settings(max_examples=20, deadline=None)
+@given(t1=st.integers(1, 9), t2=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_conv_reference_on_a_ring_continues_like_the_layer(t1, t2, seed):
+    """Two prompts through conv1d.reference (ring in, ring out) give the reference conv over both at once."""
+    cfg = TINY
+    rng = np.random.default_rng(seed)
+    C, W = cfg.conv_dim, cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
+    mixed = rng.standard_normal((t1 + t2, W), dtype=np.float32)
+    conv_w = rng.standard_normal((C, cfg.linear_conv_kernel_dim), dtype=np.float32)
+    a_log, dt_bias = rng.standard_normal((2, cfg.linear_num_value_heads), dtype=np.float32)
+    ring = np.full((cfg.linear_conv_kernel_dim, C), np.nan, np.float32)  # never read at position 0
+    first = conv1d.reference(cfg, mixed[:t1], conv_w, a_log, dt_bias, np.nan_to_num(ring), 0)
+    second = conv1d.reference(cfg, mixed[t1:], conv_w, a_log, dt_bias, first[3], t1)
+    whole, state = causal_conv1d(mixed[:, :C], conv_w, np.zeros((3, C), np.float32))
+    assert np.allclose(np.concatenate([first[0], second[0]]), silu(whole), rtol=1e-6, atol=1e-6)
+    assert np.array_equal(conv1d.ring_to_state(second[3], t1 + t2), state)
