@@ -1,0 +1,128 @@
+"""The decode megakernel as an Engine (lucegen.engine.base): every token goes through the decode path.
+
+One launch runs any number of steps on the device (kernels/megakernel.py): a prompt is fed token by token and the
+generated tokens follow without a host round trip, stopping at EOS. The state is a DeviceState, the layout the
+prefill kernels share, so a prefill can hand its state to decode.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from ..kernels.megakernel import Megakernel
+from ..model.config import ModelConfig
+from ..runtime import DeviceArray, Stream
+from ..spec import ChipSpec, spec_for_current_device
+from .base import ContextOverflow
+from .state import DeviceState
+
+
+class Steps(NamedTuple):
+    tokens: np.ndarray          # int32 [steps done]: the argmax of each step
+    logits: np.ndarray | None   # float32 [steps done, vocab] when asked for
+
+
+class DecodeEngine:
+    """One sequence through the decode megakernel. `weights`: reference-style (HF names, any float dtype), or None
+    for pseudo-random weights of the real shapes filled on the device (benchmarks)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray] | None, config: ModelConfig, spec: ChipSpec | None = None,
+                 max_context: int | None = None, build_root: Path | None = None):
+        self.config = config
+        self.spec = spec or spec_for_current_device()
+        self.max_context = min(max_context or self.spec.tuning.max_context, config.max_position_embeddings)
+        self.kernel = Megakernel(weights, config, self.spec, build_root)
+        self.state = DeviceState(config, self.max_context)
+        self.table = self.kernel.state_table(self.state)
+        self.n_done = DeviceArray.empty(1, np.int32)
+        self._buffers: dict[str, DeviceArray] = {}
+
+    # ---- the Engine interface -------------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append the tokens (one decode step each, in one launch); logits [vocab] after the last."""
+        return self.run(tokens, logits="last").logits[-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.run([token], logits="last").logits[-1]
+
+    # ---- beyond the interface ---------------------------------------------------------------------------------
+    def step(self, token: int, position: int | None = None) -> tuple[np.ndarray, int]:
+        """One step at `position` (default: the state's); (logits [vocab], argmax)."""
+        if position is not None:
+            self.state.position = position
+        out = self.run([token], logits="last")
+        return out.logits[-1], int(out.tokens[-1])
+
+    def generate(self, prompt: Sequence[int], n: int, eos: int | None = None) -> list[int]:
+        """Greedy: the prompt after the state, then up to n generated tokens, all in one launch; stops after eos."""
+        if n < 1:
+            raise ValueError(f"generate {n} tokens: at least one")
+        out = self.run(prompt, n_new=n - 1, eos=eos)
+        return [int(t) for t in out.tokens[len(prompt) - 1:]]
+
+    def run(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
+            phase_limit: int = -1, skip_mask: int = 0, prefetch: bool = True) -> Steps:
+        """len(tokens) + n_new steps in one launch: the tokens, then n_new steps that read the previous argmax
+        (stopping after an argmax equal to eos). logits: None, "last" (the last step's) or "all"."""
+        self.enqueue(tokens, n_new, eos, logits, phase_limit, skip_mask, prefetch)
+        done = int(self.n_done.numpy()[0])
+        if phase_limit < 0:
+            self.state.position += done
+        if not done:  # phase_limit stopped the only step
+            return Steps(np.empty(0, np.int32), None)
+        toks = self._buffers["tokens"].view(done, np.int32).numpy()
+        if logits is None:
+            return Steps(toks, None)
+        rows = done if logits == "all" else 1
+        return Steps(toks, self._buffers["logits"].view((rows, self.config.vocab_size), np.float32).numpy())
+
+    def enqueue(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
+                phase_limit: int = -1, skip_mask: int = 0, prefetch: bool = True, stream: Stream | None = None):
+        """The launch of run() without waiting for it or advancing the state (benchmarks time this)."""
+        if not len(tokens):
+            raise ValueError("no tokens to run")
+        ids = np.asarray(tokens, np.int64)
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in 0 .. {self.config.vocab_size - 1}")
+        n_steps = len(tokens) + n_new
+        if self.position + n_steps > self.max_context:
+            raise ContextOverflow(f"{self.position} tokens in the state + {n_steps} steps exceed the context of "
+                                  f"{self.max_context} tokens")
+        V = self.config.vocab_size
+        prompt = self._buffer("prompt", len(tokens), np.int32)
+        prompt.view(len(tokens), np.int32).copy_from(ids.astype(np.int32), stream=stream)
+        out_tokens = self._buffer("tokens", n_steps, np.int32)
+        out_logits = None if logits is None else self._buffer("logits", (n_steps if logits == "all" else 1) * V,
+                                                              np.float32)
+        self.kernel.launch(self.table, prompt, len(tokens), self.position, n_steps, out_tokens, self.n_done,
+                           logits=out_logits, logits_stride=V if logits == "all" else 0,
+                           eos=-1 if eos is None else eos, phase_limit=phase_limit, skip_mask=skip_mask,
+                           prefetch=prefetch, stream=stream)
+
+    def outputs(self) -> list[DeviceArray]:
+        """The device buffers launches write their results to (tests poison them before a launch)."""
+        return [self.n_done, *self._buffers.values()]
+
+    def _buffer(self, name: str, size: int, dtype) -> DeviceArray:
+        """A device buffer of at least `size` elements, kept between runs."""
+        a = self._buffers.get(name)
+        if a is None or a.size < size:
+            if a is not None:
+                a.free()
+            a = self._buffers[name] = DeviceArray.empty(max(size, 1), dtype)
+        return a
+
+    def free(self) -> None:
+        self.kernel.free()
+        self.state.free()
+        for a in (self.table, self.n_done, *self._buffers.values()):
+            a.free()

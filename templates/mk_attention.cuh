@@ -1,0 +1,271 @@
+// mk_attention.cuh: gated full attention for one decode token, split over blocks by (kv head, chunk of the
+// context): flash-decoding. Each work item attends the G = n_heads / n_kv_heads query heads of its kv head over
+// its chunk of positions with an online softmax and writes a partial (max, sum, unnormalised output); the last
+// item of a kv head to finish (a ticket) merges the partials with their log-sum-exp weights and applies the
+// sigmoid output gate. Chunks are as short as the grid allows (but at least MIN_CHUNK positions), so a long
+// context keeps every block busy and a short one stays cheap.
+//
+// KV cache (lucegen/engine/state.py): keys and values bf16 [max_context][n_kv][head_dim] per layer, keys stored
+// after k_norm and RoPE. The item holding the current position writes its K and V before reading them.
+#pragma once
+#include "common.cuh"
+#include "grid.cuh"
+#include "mk_deltanet.cuh"
+
+namespace lucegen {
+
+struct AttentionLayer {
+    const float* qkv;       // this token's in-projection: per q head [query | gate], then k, then v
+    const float* q_norm;    // [head_dim], zero-centred
+    const float* k_norm;    // [head_dim], zero-centred
+    bf16* keys;             // this layer's cache
+    bf16* values;
+    float* part_ml;         // [n_kv][chunks][G][2] per-item softmax max and sum
+    float* part_acc;        // [n_kv][chunks][G][head_dim] per-item unnormalised outputs
+    unsigned* tickets;      // [n_kv], zero between uses
+    float* out;             // [n_heads * head_dim] gated attention output
+};
+
+// How the context of n positions is cut: chunk length and count (the same in every block).
+template <class M>
+__device__ __forceinline__ int2 attention_chunks(int n, int blocks) {
+    const int per_head = max(1, blocks / M::ATT_NKV);
+    const int len = max(M::ATT_MIN_CHUNK, (n + per_head - 1) / per_head);
+    return make_int2(len, (n + len - 1) / len);
+}
+
+// Offset of kv head g's row at position p in a layer's keys or values.
+template <class M>
+__device__ __forceinline__ size_t kv_offset(int g, int p) {
+    return ((size_t)p * M::ATT_NKV + g) * M::ATT_HD;
+}
+
+// The cached positions of an item's chunk (all kv heads' rows: they are interleaved by position).
+template <class M>
+__device__ __forceinline__ void attention_prefetch(const AttentionLayer& L, int item, int pos) {
+    const int2 ch = attention_chunks<M>(pos + 1, gridDim.x);
+    if (item >= M::ATT_NKV * ch.y) return;
+    const int first = (item % ch.y) * ch.x, last = min(first + ch.x, pos);  // pos itself is written later
+    if (last <= first) return;
+    const size_t bytes = (size_t)(last - first) * M::ATT_NKV * M::ATT_HD * sizeof(bf16);
+    prefetch_l2(L.keys + kv_offset<M>(0, first), bytes);
+    prefetch_l2(L.values + kv_offset<M>(0, first), bytes);
+}
+
+// RMSNorm (zero-centred weight) of a head_dim vector from global memory into shared memory, by one warp.
+template <int HD>
+__device__ __forceinline__ void head_rmsnorm(const float* x, const float* w, float eps, float* y) {
+    const int lane = threadIdx.x % 32;
+    float ss = 0.f;
+    for (int d = lane; d < HD; d += 32) {
+        const float v = load_coherent(x + d);
+        ss += v * v;
+    }
+    const float rstd = rsqrtf(warp_sum(ss) / HD + eps);
+    for (int d = lane; d < HD; d += 32) y[d] = load_coherent(x + d) * rstd * (1.f + w[d]);
+}
+
+// Rotates dims [0, ROT) of x in place (half-split pairs i, i + ROT/2); multiplies every dim by `scale`.
+template <int HD, int ROT>
+__device__ __forceinline__ void rope_in_place(float* x, const float* cs, const float* sn, float scale, int t,
+                                              int stride) {
+    for (int d = t; d < HD; d += stride) {
+        if (d < ROT / 2) {
+            const float a = x[d], b = x[d + ROT / 2];
+            x[d] = (a * cs[d] - b * sn[d]) * scale;
+            x[d + ROT / 2] = (b * cs[d] + a * sn[d]) * scale;
+        } else if (d >= ROT) {
+            x[d] *= scale;
+        }
+    }
+}
+
+// cos and sin of an fp32 angle, correctly rounded to fp32: computed in double, because the fast-math sincos is
+// inaccurate far from zero (RoPE angles reach the position). Out of line: double sincos needs many registers.
+__device__ __noinline__ float2 cos_sin(float angle) {
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    return make_float2(static_cast<float>(c), static_cast<float>(s));
+}
+
+// Shared memory of one item, in floats: the larger of the carve-ups of attention_item and attention_merge.
+template <class M, int WARPS, int BLOCKS>
+constexpr int attention_work_floats() {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD;
+    constexpr int item = G * HD + 2 * HD + M::ATT_ROT + 2 * WARPS + WARPS * HD;
+    constexpr int merge = (BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G;
+    return item > merge ? item : merge;
+}
+
+// The last item of kv head g to finish: the log-sum-exp weights of the n_chunks partials per head (warp h), then
+// the merged, gated outputs. Out of line: one block per kv head runs it, and its registers stay its own.
+template <class M, int THREADS>
+__device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, float* work) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
+    float* wgt = work;                    // [max_chunks][G] partial weights
+    float* total = wgt + max_chunks * G;  // [G] their sums
+    if (warp < G) {
+        const float* ml = L.part_ml + (size_t)g * max_chunks * G * 2;
+        float mx = -__int_as_float(0x7f800000);
+        for (int i = lane; i < n_chunks; i += 32) mx = fmaxf(mx, __ldcg(ml + (i * G + warp) * 2));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float s = 0.f;
+        for (int i = lane; i < n_chunks; i += 32) {
+            const float w = __expf(__ldcg(ml + (i * G + warp) * 2) - mx);
+            wgt[i * G + warp] = w;
+            s += w * __ldcg(ml + (i * G + warp) * 2 + 1);
+        }
+        s = warp_sum(s);
+        if (lane == 0) total[warp] = s;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += THREADS) {
+        const int h = e / HD, d = e % HD;
+        float a = 0.f;
+#pragma unroll 1
+        for (int i = 0; i < n_chunks; ++i)
+            a += wgt[i * G + h] * __ldcg(L.part_acc + (((size_t)g * max_chunks + i) * G + h) * HD + d);
+        const float gate = load_coherent(L.qkv + (size_t)(g * G + h) * 2 * HD + HD + d);
+        L.out[(g * G + h) * HD + d] = a / total[h] * sigmoid(gate);
+    }
+    static_assert(G <= WARPS, "one warp per head");
+}
+
+// One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge.
+template <class M, int THREADS>
+__device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
+    constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
+    static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = pos + 1;
+    const int2 ch = attention_chunks<M>(n, gridDim.x);
+    const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
+    const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
+
+    float* q = work;                 // [G][HD] normed, rotated, scaled queries
+    float* k = q + G * HD;           // [HD] this token's key (the item holding position pos)
+    float* v = k + HD;               // [HD] and value
+    float* cs = v + HD;              // [ROT/2] cos, then [ROT/2] sin
+    float* sn = cs + ROT / 2;
+    float* wm = sn + ROT / 2;        // [WARPS] per-warp max, then [WARPS] sum
+    float* wl = wm + WARPS;
+    float* wacc = wl + WARPS;        // [WARPS][HD]
+
+    // RoPE angles as HF computes them: fp32 position times fp32 inv_freq, then cos/sin of that fp32 angle.
+    for (int i = threadIdx.x; i < ROT / 2; i += THREADS) {
+        const float2 t = cos_sin(static_cast<float>(pos) * M::inv_freq(i));
+        cs[i] = t.x;
+        sn[i] = t.y;
+    }
+    const float* qkv_k = L.qkv + 2 * M::ATT_NH * HD + g * HD;
+    const float* qkv_v = L.qkv + 2 * M::ATT_NH * HD + M::ATT_NKV * HD + g * HD;
+    const bool holds_pos = last == n;
+    if (warp < G) head_rmsnorm<HD>(L.qkv + (size_t)(g * G + warp) * 2 * HD, L.q_norm, M::EPS, q + warp * HD);
+    if (holds_pos && warp == G) head_rmsnorm<HD>(qkv_k, L.k_norm, M::EPS, k);
+    if (holds_pos && warp == G + 1)
+        for (int d = lane; d < HD; d += 32) v[d] = load_coherent(qkv_v + d);
+    __syncthreads();
+    const float scale = rsqrtf(static_cast<float>(HD));
+    for (int h = 0; h < G; ++h) rope_in_place<HD, ROT>(q + h * HD, cs, sn, scale, threadIdx.x, THREADS);
+    if (holds_pos) {
+        rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
+        __syncthreads();
+        for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
+            (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
+    }
+    __syncthreads();  // queries ready; this position's K/V in the cache
+
+    // Warp w attends query head h = w % G at positions first + w / G, + count, ... (the `count` warps of a head
+    // split its positions), holding one head's online softmax (max, sum, HD/32 outputs per lane) in registers.
+    // The G warps that read a K/V row share it through L1 where that is safe: a position's rows are written once,
+    // before any block reads them, and L1 starts empty at launch, so a cached line is stale only if it also holds
+    // a later position (rows of a position shorter than a 128-byte line); then they are read from L2.
+    // PB rows per round have their loads in flight together.
+    constexpr int PB = 2;
+    constexpr bool L1_SAFE = M::ATT_NKV * HD * sizeof(bf16) % 128 == 0;
+    const int h = warp % G, count = (WARPS - h + G - 1) / G;
+    float m = -__int_as_float(0x7f800000), l = 0.f, acc[CPL][8];
+    f32x8 qr[CPL];
+#pragma unroll
+    for (int u = 0; u < CPL; ++u) {
+        const float4* q4 = reinterpret_cast<const float4*>(q + h * HD + min(lane + 32 * u, HD / 8 - 1) * 8);
+        qr[u] = f32x8{q4[0], q4[1]};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+    }
+    for (int p0 = first + warp / G; p0 < last; p0 += count * PB) {
+        uint4 kr[PB][CPL], vr[PB][CPL];
+#pragma unroll
+        for (int b = 0; b < PB; ++b) {
+            const size_t row = kv_offset<M>(g, min(p0 + b * count, last - 1));
+            const uint4* kp = reinterpret_cast<const uint4*>(L.keys + row);
+            const uint4* vp = reinterpret_cast<const uint4*>(L.values + row);
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                const int cc = min(lane + 32 * u, HD / 8 - 1);
+                kr[b][u] = L1_SAFE ? kp[cc] : __ldcg(kp + cc);
+                vr[b][u] = L1_SAFE ? vp[cc] : __ldcg(vp + cc);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < PB; ++b) {
+            if (p0 + b * count >= last) break;
+            float s = 0.f;
+#pragma unroll
+            for (int u = 0; u < CPL; ++u)
+                if (lane + 32 * u < HD / 8) s += dot8_bf16(kr[b][u], qr[u]);
+            s = warp_sum(s);
+            const float m_new = fmaxf(m, s), corr = __expf(m - m_new), w = __expf(s - m_new);
+            m = m_new;
+            l = l * corr + w;
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vr[b][u]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __bfloat1622float2(v2[e]);
+                    acc[u][2 * e] = acc[u][2 * e] * corr + w * f.x;
+                    acc[u][2 * e + 1] = acc[u][2 * e + 1] * corr + w * f.y;
+                }
+            }
+        }
+    }
+
+    // The block's partial per head: merge the (max, sum, acc) of the head's warps through shared memory.
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int u = 0; u < CPL; ++u)
+        if (lane + 32 * u < HD / 8)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) wacc[warp * HD + (lane + 32 * u) * 8 + e] = acc[u][e];
+    __syncthreads();
+    const size_t part = ((size_t)g * max_chunks + c) * G;
+    for (int e = threadIdx.x; e < G * HD; e += THREADS) {
+        const int head = e / HD, d = e % HD;
+        float mx = wm[head];
+        for (int w = head + G; w < WARPS; w += G) mx = fmaxf(mx, wm[w]);
+        float a = 0.f, sum = 0.f;
+#pragma unroll 1
+        for (int w = head; w < WARPS; w += G) {
+            const float f = __expf(wm[w] - mx);
+            a += f * wacc[w * HD + d];
+            sum += f * wl[w];
+        }
+        L.part_acc[(part + head) * HD + d] = a;
+        if (d == 0) {
+            L.part_ml[(part + head) * 2] = mx;
+            L.part_ml[(part + head) * 2 + 1] = sum;
+        }
+    }
+
+    if (last_to_arrive(L.tickets + g, ch.y, flag)) attention_merge<M, THREADS>(L, g, ch.y, work);
+}
+
+}  // namespace lucegen

@@ -1,0 +1,404 @@
+// mk_decode.cuh: the decode megakernel of a Qwen3.5-family model: one persistent cooperative launch runs one or
+// many decode steps, each through every layer, the final norm, the LM head and the argmax, and feeds the argmax
+// back as the next step's token (multi-step: tg128 is one launch; EOS stops every block at once).
+//
+// Shapes come from M (the model, rendered from its config) and launch parameters from G (rendered from the chip
+// spec); nothing here knows a particular model size. See megakernel.cu.j2 for both.
+//
+// Phases. A step is 5 phases per layer plus the LM head, each ended by a grid barrier: 5L + 1 barriers a token
+// (121 for 24 layers), because each phase reads a whole vector the one before wrote in pieces:
+//
+//   phase   linear_attention layer                         full_attention layer            split over blocks
+//   0 IN    RMSNorm + [qkv | z | b | a] in-projection       RMSNorm + [q,gate | k | v]      rows
+//   1       conv + SiLU + l2norm + gates + recurrence       q/k norm, RoPE, K/V into the    (value head, column
+//           (raw head outputs; state read, written once)    cache, flash-decoding split     slice) / (kv head,
+//                                                           + log-sum-exp merge (ticket)    context chunk)
+//   2 OUT   gated RMSNorm (per head, redundant) +           out-projection + residual       rows
+//           out-projection + residual
+//   3 GU    RMSNorm + interleaved gate/up rows -> SiLU(gate) * up                           row pairs
+//   4 DOWN  down-projection + residual                                                      rows
+//   LM      final RMSNorm + LM head + per-block argmax; after the barrier every block        rows
+//           merges the blocks' argmax (so the next token and EOS are known everywhere)
+//
+// What does not take a barrier: every block recomputes the small things it needs (the residual's RMSNorm, the
+// q/k of its DeltaNet head, the RoPE angles, a DeltaNet head's norm in the out-projection) instead of waiting for
+// one block to publish them; the last attention item of a kv head merges the partials (a ticket, not a barrier);
+// the argmax merge rides on the LM head's barrier. Barriers count arrivals on one ever-growing counter (grid.cuh):
+// no reset, no memset, and the last block out returns it to zero for the next launch.
+//
+// Weights never wait for a barrier: each block streams its rows of every matrix, in the order it uses them,
+// through a ring of G::SLOTS shared-memory slots (ring.cuh; bulk copies on sm_90+). Warp 0 produces (it keeps
+// the ring full during GEMVs, barriers and the recurrence / attention phases); warps 1.. consume. So DRAM keeps
+// streaming the next phase's weights while blocks synchronise, as long as a stall is shorter than the ring's
+// lookahead (SLOTS x SLOT_BYTES per SM: 192 KB, ~6 us of an H200 SM's share of DRAM). At the barrier ending
+// phase k, warp 0 also prefetches into L2 the non-weight data of phase k + G::PREFETCH (the spec's
+// prefetch_distance; 1: the next phase): the recurrent state and conv inputs of the block's items, its KV chunk,
+// norm weights, so those phases start on L2 latency.
+//
+// Time per token on the H200 (Qwen3.5-0.8B, 1.506 GB of weights): the weights at the measured 4.39 TB/s take
+// 343 us; the consumers' FMAs from shared memory ~60 us and the 121 barriers ~1 us each run under that stream
+// as long as the ring does not drain. Expected 360-400 us (2,500-2,800 tok/s); `lucegen bench decode` measures
+// it and attributes it per phase kind (skip_mask) and to the barriers alone.
+//
+// Numerics: bf16 weights and bf16 KV cache (whatever the spec's kv_format: the state layout, shared with the
+// prefill, is bf16); fp32 everything else (residual, activations between phases, conv and recurrent state,
+// accumulation), so logits differ from the fp32 reference by the KV cache's rounding only.
+#pragma once
+#include "argmax.cuh"
+#include "mk_attention.cuh"
+#include "mk_deltanet.cuh"
+#include "norm.cuh"
+#include "ring.cuh"
+
+namespace lucegen {
+
+// Phase kinds: bit k of skip_mask leaves kind k's work (and weight reads) out, for timing; barriers stay.
+enum PhaseKind { LIN_IN, LIN_REC, LIN_OUT, ATT_IN, ATT_CORE, ATT_OUT, MLP_GU, MLP_DOWN, LM_HEAD };
+
+struct DecodeParams {
+    const unsigned char* weights;   // the packed arena (lucegen/kernels/megakernel.py: Layout)
+    void* const* state;             // per-layer state arrays (lucegen/engine/state.py: DeviceState), by slot:
+                                    // conv rings [K][conv_dim] and recurrent states [Hv][dv][dk] of the linear
+                                    // layers, then keys and values [max_context][n_kv][head_dim] of the full ones
+    float* act;                     // activations between phases (offsets M::ACT_*)
+    unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2..] attention tickets; zero at launch
+    const int* prompt;              // step s < n_prompt reads prompt[s]; later steps read the previous argmax
+    int n_prompt;
+    int position;                   // position of step 0
+    int n_steps;
+    int eos;                        // stop after a generated step (s >= n_prompt - 1) whose argmax is eos; -1: never
+    int* tokens;                    // [n_steps] argmax of each step
+    float* logits;                  // logits of step s at logits + s * logits_stride, or null
+    int logits_stride;
+    int* n_done;                    // steps completed
+    int phase_limit;                // >= 0: the last step runs only its first phase_limit phases (tests)
+    int skip_mask;                  // PhaseKind bits (timing)
+    int prefetch;                   // 0: no L2 prefetch (timing)
+};
+
+// This block's rows of one GEMV of a step: rows [r0, r1) of w (k wide), tile_rows rows per ring slot.
+struct Segment {
+    const bf16* w;
+    int k, r0, r1, tile_rows;
+};
+
+// This block's share [x, y) of n rows (n * gridDim.x < 2^32: 32-bit division). Layout.block_rows in
+// lucegen/kernels/megakernel.py is the same split.
+__device__ __forceinline__ int2 block_rows(int n) {
+    return make_int2(static_cast<int>(unsigned(n) * blockIdx.x / gridDim.x),
+                     static_cast<int>(unsigned(n) * (blockIdx.x + 1) / gridDim.x));
+}
+
+// This block's weight segments of a step, in consumption order: per layer IN, OUT, GU, DOWN; then the LM head.
+// Phases whose kind is skipped have empty segments (their weights are not read either).
+template <class M, class G>
+struct SegmentMap {
+    const unsigned char* weights;
+    int skip_mask;
+
+    __device__ bool skipped(PhaseKind k) const { return (skip_mask >> k) & 1; }
+
+    __device__ Segment operator()(int seg) const {
+        constexpr int ATT_K = M::ATT_NH * M::ATT_HD;
+        if (seg == 4 * M::LAYERS) {
+            const int2 r = block_rows(M::VOCAB);
+            return {reinterpret_cast<const bf16*>(weights + M::LM_HEAD), M::HIDDEN, r.x,
+                    skipped(LM_HEAD) ? r.x : r.y, G::tile_rows(M::HIDDEN)};
+        }
+        const int l = seg / 4, which = seg % 4;
+        const bool full = M::kind(l);
+        const unsigned char* base = weights + M::layer_offset(l);
+        Segment s;
+        PhaseKind kind;
+        int n;
+        if (which == 0) {
+            kind = full ? ATT_IN : LIN_IN;
+            n = full ? M::ATT_IN_ROWS : M::LIN_IN_ROWS;
+            s = {reinterpret_cast<const bf16*>(base + (full ? M::FULL_IN : M::LIN_IN)), M::HIDDEN, 0, 0,
+                 G::tile_rows(M::HIDDEN)};
+        } else if (which == 1) {
+            kind = full ? ATT_OUT : LIN_OUT;
+            n = M::HIDDEN;
+            s = full ? Segment{reinterpret_cast<const bf16*>(base + M::FULL_OUT), ATT_K, 0, 0,
+                               G::tile_rows(ATT_K)}
+                     : Segment{reinterpret_cast<const bf16*>(base + M::LIN_OUT), M::LIN_VALUE_DIM, 0, 0,
+                               G::tile_rows(M::LIN_VALUE_DIM)};
+        } else if (which == 2) {  // gate and up rows interleaved: a block takes whole pairs
+            kind = MLP_GU;
+            n = M::INTER;
+            s = {reinterpret_cast<const bf16*>(base + (full ? M::FULL_GATE_UP : M::LIN_GATE_UP)), M::HIDDEN, 0, 0,
+                 G::tile_rows(M::HIDDEN)};
+        } else {
+            kind = MLP_DOWN;
+            n = M::HIDDEN;
+            s = {reinterpret_cast<const bf16*>(base + (full ? M::FULL_DOWN : M::LIN_DOWN)), M::INTER, 0, 0,
+                 G::tile_rows(M::INTER)};
+        }
+        const int2 r = block_rows(n);
+        const int pair = which == 2 ? 2 : 1;
+        s.r0 = r.x * pair;
+        s.r1 = skipped(kind) ? s.r0 : r.y * pair;
+        return s;
+    }
+};
+
+// The weight stream's cursor (warp 0): the next tile to issue, over n_steps steps of segments.
+template <class M, class G>
+struct WeightStream {
+    static constexpr int SEGMENTS = 4 * M::LAYERS + 1;
+    SegmentMap<M, G> segments;
+    int n_steps;
+    int step = 0, seg = 0, tile = 0;
+
+    __device__ bool next(const void*& src, unsigned& bytes) {
+        for (;;) {
+            if (step >= n_steps) return false;
+            const Segment s = segments(seg);
+            const int row = s.r0 + tile * s.tile_rows;
+            if (row < s.r1) {
+                src = s.w + (size_t)row * s.k;
+                bytes = static_cast<unsigned>(min(s.tile_rows, s.r1 - row) * s.k * 2);
+                ++tile;
+                return true;
+            }
+            tile = 0;
+            if (++seg == SEGMENTS) seg = 0, ++step;
+        }
+    }
+};
+
+template <class M, class G>
+struct Decoder {
+    static constexpr int THREADS = G::THREADS, WARPS = THREADS / 32;
+    static constexpr int PHASES = 5 * M::LAYERS + 1;
+    static constexpr int GATED_K = M::LIN_VALUE_DIM, ATT_K = M::ATT_NH * M::ATT_HD;
+    using Ring = TileRing<G::SLOTS, G::SLOT_BYTES, WARPS>;
+
+    using Stream = WeightStream<M, G>;
+    const DecodeParams& p;
+    Ring ring;
+    Stream stream;    // stream.segments: this block's weight segments (the consumers read them too)
+    GridBarrier bar;
+    float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
+    float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
+    int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
+
+    __device__ const unsigned char* layer_base(int l) const { return p.weights + M::layer_offset(l); }
+    template <class T>
+    __device__ const T* weight(int l, size_t offset) const {
+        return reinterpret_cast<const T*>(layer_base(l) + offset);
+    }
+    __device__ bool skipped(PhaseKind k) const { return stream.segments.skipped(k); }
+
+    // Rows of segment `seg` times the staged vector (K wide), epilogue per row group (see ring_gemv).
+    template <int K, class Epilogue>
+    __device__ void gemv(int seg, Epilogue&& epilogue) {
+        const Segment s = stream.segments(seg);
+        ring_gemv<K, G::group_rows(K), G::tile_rows(K), WARPS>(ring, stream, staged<K>(), s.r0, s.r1, epilogue);
+    }
+
+    template <int K>
+    __device__ StagedF32<K> staged() const { return StagedF32<K>{reinterpret_cast<float4*>(work)}; }
+
+    // A K-wide fp32 vector written earlier in this launch, staged as a GEMV input. Ends with __syncthreads.
+    template <int K>
+    __device__ void stage(const float* x) {
+        const StagedF32<K> xs = staged<K>();
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        for (int q = threadIdx.x; q < K / 4; q += THREADS) xs.quad(q) = load_coherent(x4 + q);
+        __syncthreads();
+    }
+
+    // ---- phases ------------------------------------------------------------------------------------------------
+    __device__ void phase_in(int l, int token) {
+        const bool full = M::kind(l);
+        if (skipped(full ? ATT_IN : LIN_IN)) return;
+        const float* ln = weight<float>(l, full ? M::FULL_LN1 : M::LIN_LN1);
+        float* x = p.act + M::ACT_X;
+        float* y = p.act + M::ACT_MIXED;
+        if (l == 0) {  // the residual stream starts as the token's embedding row
+            const bf16* e = reinterpret_cast<const bf16*>(p.weights + M::EMBED) + (size_t)token * M::HIDDEN;
+            rmsnorm_1p_stage<M::HIDDEN, THREADS>(e, ln, M::EPS, staged<M::HIDDEN>(), scratch);
+            if (blockIdx.x == 0)
+                for (int i = threadIdx.x; i < M::HIDDEN; i += THREADS) x[i] = __bfloat162float(e[i]);
+        } else {
+            rmsnorm_1p_stage<M::HIDDEN, THREADS>(x, ln, M::EPS, staged<M::HIDDEN>(), scratch);
+        }
+        gemv<M::HIDDEN>(4 * l, [&](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) y[row + r] = acc[r];
+        });
+    }
+
+    __device__ DeltaNetLayer deltanet_layer(int l) const {
+        const int s = M::layer_slot(l);
+        return {p.act + M::ACT_MIXED, weight<float>(l, M::LIN_CONV), weight<float>(l, M::LIN_A_LOG),
+                weight<float>(l, M::LIN_DT_BIAS), static_cast<float*>(p.state[s]),
+                static_cast<float*>(p.state[M::N_LINEAR + s]), p.act + M::ACT_MIX_OUT};
+    }
+
+    __device__ AttentionLayer attention_layer(int l) const {
+        const int s = 2 * M::N_LINEAR + M::layer_slot(l);
+        return {p.act + M::ACT_MIXED, weight<float>(l, M::FULL_Q_NORM), weight<float>(l, M::FULL_K_NORM),
+                static_cast<bf16*>(p.state[s]), static_cast<bf16*>(p.state[M::N_FULL + s]),
+                p.act + M::ACT_ATT_ML, p.act + M::ACT_ATT_ACC, p.sync + 2, p.act + M::ACT_MIX_OUT};
+    }
+
+    static constexpr int REC_ITEMS = M::LIN_HV * (M::LIN_DV / M::LIN_SLICE);
+
+    __device__ void phase_mix(int l, int pos) {
+        if (M::kind(l)) {
+            if (skipped(ATT_CORE)) return;
+            const AttentionLayer L = attention_layer(l);
+            const int items = M::ATT_NKV * attention_chunks<M>(pos + 1, gridDim.x).y;
+            for (int i = blockIdx.x; i < items; i += gridDim.x) {
+                attention_item<M, THREADS>(L, i, pos, work, flag);
+                __syncthreads();
+            }
+        } else {
+            if (skipped(LIN_REC)) return;
+            const DeltaNetLayer L = deltanet_layer(l);
+            constexpr int SLICES = M::LIN_DV / M::LIN_SLICE;
+            for (int i = blockIdx.x; i < REC_ITEMS; i += gridDim.x) {
+                deltanet_item<M, THREADS>(L, i / SLICES, i % SLICES, pos, work);
+                __syncthreads();
+            }
+        }
+    }
+
+    __device__ void phase_out(int l) {
+        const bool full = M::kind(l);
+        if (skipped(full ? ATT_OUT : LIN_OUT)) return;
+        float* x = p.act + M::ACT_X;
+        auto residual = [&](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
+        };
+        if (full) {
+            stage<ATT_K>(p.act + M::ACT_MIX_OUT);
+            gemv<ATT_K>(4 * l + 1, residual);
+        } else {
+            deltanet_gated_norm<M, THREADS>(p.act + M::ACT_MIX_OUT, p.act + M::ACT_MIXED + M::LIN_CONV_DIM,
+                                            weight<float>(l, M::LIN_NORM), staged<GATED_K>());
+            gemv<GATED_K>(4 * l + 1, residual);
+        }
+    }
+
+    __device__ void phase_gate_up(int l) {
+        if (skipped(MLP_GU)) return;
+        const bool full = M::kind(l);
+        rmsnorm_1p_stage<M::HIDDEN, THREADS>(p.act + M::ACT_X, weight<float>(l, full ? M::FULL_LN2 : M::LIN_LN2),
+                                             M::EPS, staged<M::HIDDEN>(), scratch);
+        float* act = p.act + M::ACT_MLP;
+        gemv<M::HIDDEN>(4 * l + 2, [&](int row, const float* acc, int n) {  // rows (gate_i, up_i) pairs
+            for (int r = 0; r + 1 < n; r += 2) act[(row + r) / 2] = silu(acc[r]) * acc[r + 1];
+        });
+    }
+
+    __device__ void phase_down(int l) {
+        if (skipped(MLP_DOWN)) return;
+        stage<M::INTER>(p.act + M::ACT_MLP);
+        float* x = p.act + M::ACT_X;
+        gemv<M::INTER>(4 * l + 3, [&](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
+        });
+    }
+
+    // Final norm, LM head, this block's argmax (into the partials); logits too when asked for.
+    __device__ void phase_lm_head(int step) {
+        if (skipped(LM_HEAD)) return;
+        const float* norm = reinterpret_cast<const float*>(p.weights + M::FINAL_NORM);
+        rmsnorm_1p_stage<M::HIDDEN, THREADS>(p.act + M::ACT_X, norm, M::EPS, staged<M::HIDDEN>(), scratch);
+        float* logits = p.logits ? p.logits + (size_t)step * p.logits_stride : nullptr;
+        ArgMax best = argmax_none();
+        gemv<M::HIDDEN>(4 * M::LAYERS, [&](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) {
+                best = argmax_pick(best, ArgMax{acc[r], row + r});
+                if (logits) logits[row + r] = acc[r];
+            }
+        });
+        best = block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch));
+        if (threadIdx.x == 0) reinterpret_cast<ArgMax*>(p.act + M::ACT_ARGMAX)[blockIdx.x] = best;
+    }
+
+    // After the LM head's barrier: every block merges the partials, so every block knows the token.
+    __device__ int merged_argmax() {
+        const ArgMax* parts = reinterpret_cast<const ArgMax*>(p.act + M::ACT_ARGMAX);
+        ArgMax best = argmax_none();
+        for (int b = threadIdx.x; b < gridDim.x; b += THREADS)
+            best = argmax_pick(best, ArgMax{__ldcg(&parts[b].value), __ldcg(&parts[b].index)});
+        return block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch)).index;
+    }
+
+    // ---- L2 prefetch of the non-weight data phase k of a step reads first (warp 0) ------------------------------
+    __device__ void prefetch(int k, int pos) {
+        if (!p.prefetch || k >= PHASES) return;
+        if (k == PHASES - 1) {
+            prefetch_l2(p.weights + M::FINAL_NORM, M::HIDDEN * sizeof(float));
+            return;
+        }
+        const int l = k / 5, sub = k % 5;
+        const bool full = M::kind(l);
+        if (sub == 0) {
+            prefetch_l2(layer_base(l) + (full ? M::FULL_LN1 : M::LIN_LN1), M::HIDDEN * sizeof(float));
+        } else if (sub == 1 && full) {
+            prefetch_l2(layer_base(l) + M::FULL_Q_NORM, M::ATT_HD * sizeof(float));
+            prefetch_l2(layer_base(l) + M::FULL_K_NORM, M::ATT_HD * sizeof(float));
+            attention_prefetch<M>(attention_layer(l), blockIdx.x, pos);
+        } else if (sub == 1) {
+            const DeltaNetLayer L = deltanet_layer(l);
+            constexpr int SLICES = M::LIN_DV / M::LIN_SLICE;
+            for (int i = blockIdx.x; i < REC_ITEMS; i += gridDim.x)
+                deltanet_prefetch<M>(L, i / SLICES, i % SLICES, pos);
+        } else if (sub == 2 && !full) {
+            prefetch_l2(layer_base(l) + M::LIN_NORM, M::LIN_DV * sizeof(float));
+        } else if (sub == 3) {
+            prefetch_l2(layer_base(l) + (full ? M::FULL_LN2 : M::LIN_LN2), M::HIDDEN * sizeof(float));
+        }
+    }
+
+    // The grid barrier that ends phase k: warp 0 prefetches for a later phase and keeps the ring full meanwhile.
+    __device__ void barrier(int k, int pos) {
+        bar.arrive();
+        if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
+        bar.wait([&] { ring.pump(stream); });
+    }
+
+    __device__ void run() {
+        ring.init();
+        if (threadIdx.x < 32) ring.pump(stream);
+        if (blockIdx.x == 0 && threadIdx.x == 0) *p.n_done = 0;
+        if (threadIdx.x == 0) flag[1] = p.prompt[0];
+        __syncthreads();
+        for (int s = 0; s < p.n_steps; ++s) {
+            const int pos = p.position + s;
+            const int limit = s == p.n_steps - 1 && p.phase_limit >= 0 ? p.phase_limit : PHASES;
+            int k = 0;
+            for (; k < limit && k < PHASES - 1; ++k) {
+                const int l = k / 5;
+                switch (k % 5) {
+                    case 0: phase_in(l, flag[1]); break;
+                    case 1: phase_mix(l, pos); break;
+                    case 2: phase_out(l); break;
+                    case 3: phase_gate_up(l); break;
+                    default: phase_down(l); break;
+                }
+                barrier(k, pos);
+            }
+            if (k < limit) {  // the LM head and the argmax, unless phase_limit stopped the step before it
+                phase_lm_head(s);
+                barrier(k, pos);
+                const int token = merged_argmax();
+                if (blockIdx.x == 0 && threadIdx.x == 0) {
+                    p.tokens[s] = token;
+                    *p.n_done = s + 1;
+                }
+                if (token == p.eos && s >= p.n_prompt - 1) break;
+                if (threadIdx.x == 0) flag[1] = s + 1 < p.n_prompt ? p.prompt[s + 1] : token;
+                __syncthreads();
+            }
+        }
+        if (threadIdx.x < 32) ring.drain();
+        grid_leave(bar);
+    }
+};
+
+}  // namespace lucegen
