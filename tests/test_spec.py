@@ -71,6 +71,8 @@ def _delete(path: str):
     (_set("tuning.gemv", [256]), "tuning.gemv", "expected a mapping"),
     (_set("tuning.gemv.method", "tma"), "tuning.gemv.method", "is not one of"),
     (_set("tuning.gemv.tile_bytes", 200_000), "tuning.gemv.tile_bytes", "fitting the"),
+    (_set("tuning.prefill", {"chunk_tokens": 1000}), "tuning.prefill.chunk_tokens", "multiple of 64"),
+    (_set("tuning.prefill", {"chunk_tokens": 1 << 20}), "tuning.prefill.chunk_tokens", "max_context"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
     path = _write(tmp_path, mutate)
@@ -105,7 +107,7 @@ def test_malformed_yaml_and_missing_file(tmp_path):
 
 def test_emulation_keeps_the_chip_but_changes_the_arch():
     spec = load_spec("rtx3090").with_arch("sm_90")
-    assert spec.chip.arch == "sm_90" and spec.chip.sm_count == 82 and spec.tuning.kv_format == "q8_0"
+    assert spec.chip.arch == "sm_90" and spec.chip.sm_count == 82 and spec.tuning.kv_format == "tq3_0"
     with pytest.raises(SpecError, match="arch override"):
         load_spec("rtx3090").with_arch("sm_1")
     with pytest.raises(SpecError, match=r"emulated at sm_80: tuning.gemv.method: bulk copies need sm_90"):

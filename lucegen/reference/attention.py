@@ -4,7 +4,7 @@ KV cache layout per layer, float32: keys and values [S, n_kv_heads, head_dim], k
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -30,11 +30,14 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
 
 
 def gated_attention(p: Mapping[str, np.ndarray], cfg: ModelConfig, x: np.ndarray, position: int,
-                    keys: np.ndarray | None = None, values: np.ndarray | None = None):
+                    keys: np.ndarray | None = None, values: np.ndarray | None = None,
+                    kv_codec: Callable[[np.ndarray], np.ndarray] | None = None):
     """One gated attention mixer over x [T, hidden] at absolute positions position .. position+T-1.
 
     p holds the layer's weights by HF name without the "layers.{i}.self_attn." prefix; keys/values are the
-    cache (None when empty). Returns (out [T, hidden], keys, values) with this block's K/V appended.
+    cache (None when empty). kv_codec, when given, is what storing a row [.., head_dim] in the cache's format and
+    reading it back does (lucegen.model.kvformats.codec): this block's K/V pass through it before attention reads
+    them. Returns (out [T, hidden], keys, values) with this block's K/V appended.
     """
     T = x.shape[0]
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -46,6 +49,8 @@ def gated_attention(p: Mapping[str, np.ndarray], cfg: ModelConfig, x: np.ndarray
     v = (x @ p["v_proj.weight"].T).reshape(T, nkv, hd)
     cos, sin = rope_cos_sin(np.arange(position, position + T), cfg.rotary_dim, cfg.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if kv_codec is not None:
+        k, v = kv_codec(k), kv_codec(v)
     if keys is not None:
         k, v = np.concatenate([keys, k]), np.concatenate([values, v])
     o = causal_attention(q, k, v, hd**-0.5).reshape(T, nh * hd) * sigmoid(gate)

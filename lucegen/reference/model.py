@@ -6,7 +6,7 @@ Weights: a dict keyed by HF names without the "model.language_model." prefix (se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,17 +23,20 @@ class State:
     """One sequence's cache. A layer's entry is absent until the sequence's first forward.
 
     conv[i] [K-1, conv_dim], recurrent[i] [Hv, dk, dv] for DeltaNet layers; keys[i], values[i] [S, n_kv, head_dim]
-    for attention layers; position = tokens seen so far (the next token's absolute position).
+    for attention layers; position = tokens seen so far (the next token's absolute position); kv_codec: a KV-cache
+    format's round trip applied to every K/V row entering the cache (None: float32 KV).
     """
     conv: dict[int, np.ndarray] = field(default_factory=dict)
     recurrent: dict[int, np.ndarray] = field(default_factory=dict)
     keys: dict[int, np.ndarray] = field(default_factory=dict)
     values: dict[int, np.ndarray] = field(default_factory=dict)
     position: int = 0
+    kv_codec: Callable[[np.ndarray], np.ndarray] | None = None
 
     def copy(self) -> "State":
         tables = (self.conv, self.recurrent, self.keys, self.values)
-        return State(*({i: a.copy() for i, a in t.items()} for t in tables), position=self.position)
+        return State(*({i: a.copy() for i, a in t.items()} for t in tables), position=self.position,
+                     kv_codec=self.kv_codec)
 
 
 class Output(NamedTuple):
@@ -64,7 +67,7 @@ def decoder_layer(weights: Weights, cfg: ModelConfig, i: int, x: np.ndarray, sta
             _sub(p, "linear_attn."), cfg, h, state.conv.get(i), state.recurrent.get(i))
     else:
         h, state.keys[i], state.values[i] = gated_attention(
-            _sub(p, "self_attn."), cfg, h, state.position, state.keys.get(i), state.values.get(i))
+            _sub(p, "self_attn."), cfg, h, state.position, state.keys.get(i), state.values.get(i), state.kv_codec)
     x = x + h
     return x + mlp(_sub(p, "mlp."), rms_norm(x, p["post_attention_layernorm.weight"], eps))
 

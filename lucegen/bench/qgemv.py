@@ -1,0 +1,96 @@
+"""Quantized GEMV / GEMM micro-benchmark: achieved bandwidth per weight format and per M on the 27B shapes.
+
+Y [M, N] = X [M, K] W^T for W in each format of the spec, M in MS, on the 27B's widest matrices (SHAPES). The
+figure of merit is the quantized weight bytes over the time per call: for M = 1 the GEMV should stream them at the
+read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M shows where the fp32 FMAs of the
+M-tile take over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that L2 does
+not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
+
+Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
+"<format> <N>x<K> M=<M>"; cublas_bf16_us for the peer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen.build import build
+from ..kernels import qgemv
+from ..model.config import tiny_config
+from ..runtime import DeviceArray, Stream, device_info
+from ..spec import spec_for_current_device
+from .gemv import measure_read_gbs
+from .results import Recorder
+from .timing import median_ms
+
+# (N, K): ffn_gate / ffn_up, ffn_down, the DeltaNet attn_qkv
+SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "attn_qkv": (10240, 5120)}
+MS = (1, 4, 16, 64)
+
+
+def _torch_mm_us(n: int, k: int, m: int, distinct: int) -> float | None:
+    """cuBLAS bf16 (torch.mm; torch.mv for M = 1) on the same shape, distinct copies rotated; us per call."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(distinct)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    call = (lambda w: torch.mv(w, x[0])) if m == 1 else (lambda w: torch.mm(x, w.t()))
+    for _ in range(max(3, 300 // len(ws))):
+        for w in ws:
+            call(w)
+    times = []
+    for _ in range(30):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for w in ws:
+            call(w)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(ws))
+    del ws
+    torch.cuda.empty_cache()
+    return float(np.median(times))
+
+
+def run(recorder: Recorder | None = None) -> None:
+    spec = spec_for_current_device()
+    info = device_info()
+    rec = recorder or Recorder(gpu=info.name)
+    stream = Stream()
+    read_gbs = measure_read_gbs(spec, stream)
+    rec.record("read_gbs", "2 GiB streaming read", read_gbs, "GB/s", spec.chip.bandwidth_gbs)
+    pairs = sorted({(f, k) for f in spec.tuning.weight_formats for _, k in SHAPES.values()})
+    result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
+    rng = np.random.default_rng(0)
+    print(f"spec {spec.name}; read ceiling {read_gbs:.0f} GB/s")
+    print(f"{'format':<6} {'shape':<10} {'N x K':>12} {'M':>3} {'us':>9} {'GB/s':>7} {'of read':>7} {'cuBLAS bf16 us':>15}")
+    for fmt in spec.tuning.weight_formats:
+        module = result.module(f"qgemv_{fmt}")
+        for label, (n, k) in SHAPES.items():
+            op = qgemv.QMatmul(module, spec, fmt, k)
+            raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
+            distinct = max(1, -(-4 * info.l2_bytes // raw.nbytes))
+            ws = [qgemv.device_weights(raw) for _ in range(distinct)]
+            for m in MS:
+                x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+                y = DeviceArray.empty((m, n), np.float32)
+
+                def calls(s, ws=ws, x=x, y=y, m=m, n=n, op=op):
+                    for w in ws:
+                        op(w, x, y, n, m, stream=s)
+
+                us = median_ms(calls, stream) / len(ws) * 1e3
+                gbs = raw.nbytes / (us * 1e-6) / 1e9
+                name = f"{fmt} {n}x{k} M={m}"
+                rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
+                           read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label)
+                peer = _torch_mm_us(n, k, m, max(1, -(-4 * info.l2_bytes // (2 * n * k)))) if fmt == "q4_k" else None
+                if peer is not None:
+                    rec.record("cublas_bf16_us", f"bf16 {n}x{k} M={m}", peer, "us", peer="torch.mm (cuBLAS)")
+                print(f"{fmt:<6} {label:<10} {f'{n}x{k}':>12} {m:>3} {us:9.1f} {gbs:7.0f} {gbs / read_gbs:7.1%} "
+                      f"{'' if peer is None else f'{peer:15.1f}'}")
+                x.free()
+                y.free()
+            for w in ws:
+                w.free()

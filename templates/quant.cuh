@@ -1,0 +1,226 @@
+// quant.cuh: GGUF weight blocks decoded to fp32, bit-equal to lucegen/model/quants.py (and the gguf package).
+//
+// The block layouts are the ones in quants.py's docstring. Every format is read in *pieces*: a piece is what one
+// lane decodes at once, RUNS runs of 8 consecutive values of one block (the piece's bytes, its scales). A format F
+// gives
+//   F::BLOCK_VALUES, F::BLOCK_BYTES, F::PIECES (pieces per block), F::RUNS (runs per piece),
+//   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
+//   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
+//   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
+//   F::run(piece, r, w) the run's 8 values.
+// Per value the decode gives the bits numpy gives in quants.py, signed zeros included: fl(d * q) (Q8_0, Q4_0),
+// fl(fl(d * sc) * q) (Q6_K), fl(fl(fl(d * sc) * q) - fl(dmin * m)) (Q4_K, Q5_K; one FFMA, see FmtK4::run). The
+// _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+namespace lucegen {
+
+// ---- small integers to float without an int-to-float conversion ------------------------------------------------
+// The float with the bits 0x4B0000bb is 2^23 + bb (byte bb): one PRMT puts byte i of a word under that exponent,
+// and subtracting 2^23 + bias (exact: both lie in [2^23, 2^24)) leaves bb - bias as a float, exactly. Instead of
+// an I2F (a quarter- or eighth-rate instruction) and its shifts and masks. Words are masked (and shifted) first so
+// that each byte holds one value.
+constexpr unsigned MAGIC_U = 0x4B000000u;
+constexpr float MAGIC_U_VALUE = 8388608.f;  // 2^23
+
+__device__ __forceinline__ float byte_minus(unsigned word, int i, float magic_plus_bias) {
+    return __fsub_rn(__uint_as_float(__byte_perm(word, MAGIC_U, 0x7440u | static_cast<unsigned>(i))), magic_plus_bias);
+}
+
+// An unsigned integer u < 2^23 as a float (scales and mins: once per piece).
+__device__ __forceinline__ float uint_to_float(unsigned u) {
+    return __fsub_rn(__uint_as_float(MAGIC_U | u), MAGIC_U_VALUE);
+}
+
+__device__ __forceinline__ float half_to_float(unsigned bits16) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+}
+
+// N little-endian 32-bit words starting at a 2-byte aligned address: N + 1 aligned loads funnel-shifted into place
+// when the address is 2 mod 4 (and no load past the last byte when it is 0 mod 4).
+template <int N>
+__device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (&w)[N]) {
+    const unsigned mis = reinterpret_cast<size_t>(p) & 2u;  // pointer arithmetic keeps p's address space (LDS)
+    const unsigned* a = reinterpret_cast<const unsigned*>(p - mis);
+    const unsigned shift = mis * 8u;
+    unsigned lo = a[0];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const unsigned hi = (i + 1 < N || shift) ? a[i + 1] : 0u;
+        w[i] = __funnelshift_r(lo, hi, shift);
+        lo = hi;
+    }
+}
+
+// ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
+struct FmtBf16 {
+    static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1;
+    static constexpr bool ALIGNED16 = true;
+    __host__ __device__ static constexpr int voff(int, int) { return 0; }
+    struct Piece {
+        uint4 v;
+    };
+    __device__ static Piece load(const unsigned char* block, int) { return {*reinterpret_cast<const uint4*>(block)}; }
+    __device__ static void run(const Piece& pc, int, float (&w)[8]) {
+        const unsigned u[4] = {pc.v.x, pc.v.y, pc.v.z, pc.v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = __uint_as_float(u[i] << 16);
+            w[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+        }
+    }
+};
+
+// ---- Q8_0: [0:2] d | [2:34] int8 qs[32]; x[j] = d * qs[j]. One piece per block, run r = values 8r .. 8r+7 ------
+struct FmtQ8_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4;
+    static constexpr bool ALIGNED16 = false;
+    __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
+    struct Piece {
+        unsigned q[8];
+        float d;
+    };
+    __device__ static Piece load(const unsigned char* block, int) {
+        Piece pc;
+        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block));
+        load_words_a2<8>(block + 2, pc.q);
+        return pc;
+    }
+    __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
+        const unsigned w0 = pc.q[2 * r] ^ 0x80808080u, w1 = pc.q[2 * r + 1] ^ 0x80808080u;  // bytes q + 128
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 128.f), pc.d);
+    }
+};
+
+// ---- Q4_0: [0:2] d | [2:18] qs[16]; x[j] = d * ((qs[j] & 0xF) - 8), x[j+16] = d * ((qs[j] >> 4) - 8) --------
+// One piece per block; run r: the low (r < 2) or high nibbles of bytes 8(r%2) .. 8(r%2)+7 = values 8r .. 8r+7.
+struct FmtQ4_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4;
+    static constexpr bool ALIGNED16 = false;
+    __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
+    struct Piece {
+        unsigned q[4];
+        float d;
+    };
+    __device__ static Piece load(const unsigned char* block, int) {
+        Piece pc;
+        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block));
+        load_words_a2<4>(block + 2, pc.q);
+        return pc;
+    }
+    __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
+        const unsigned w0 = (pc.q[2 * (r % 2)] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
+        const unsigned w1 = (pc.q[2 * (r % 2) + 1] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.d, byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 8.f));
+    }
+};
+
+// ---- Q4_K / Q5_K: [0:2] d | [2:4] dmin | [4:16] scales[12] | (Q5_K: [16:48] qh[32]) | qs[128] ---------------
+// Sub-block j (32 values) has a 6-bit scale sc and min m (get_scale_min_k4); x = fl(fl(d*sc) * q - fl(dmin*m)).
+// Piece p (8 per block) = qs bytes 16p .. 16p+15, i.e. chunk c = p/2 (sub-blocks 2c, 2c+1), positions
+// l = 16(p%2) .. l+15: run r holds the low (r < 2) or high (r >= 2) nibbles of bytes 8(r%2) .. 8(r%2)+7 of the
+// piece, i.e. values 64c + 32(r/2) + l + 8(r%2) + 0..7 of sub-block 2c + r/2. Q5_K's fifth bit of value 32j + i is
+// bit j of qh[i].
+__device__ __forceinline__ void scale_min_k4(int j, const uint4& h, unsigned& sc, unsigned& m) {
+    // scales[0..3] in h.y, [4..7] in h.z, [8..11] in h.w (h.x holds d and dmin)
+    const auto s = [&](int i) { return ((i < 4 ? h.y : i < 8 ? h.z : h.w) >> (8 * (i % 4))) & 0xFFu; };
+    if (j < 4) {
+        sc = s(j) & 63u;
+        m = s(j + 4) & 63u;
+    } else {
+        sc = (s(j + 4) & 0xFu) | ((s(j - 4) >> 6) << 4);
+        m = (s(j + 4) >> 4) | ((s(j) >> 6) << 4);
+    }
+}
+
+template <bool Q5>
+struct FmtK4 {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4;
+    static constexpr bool ALIGNED16 = true;
+    static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
+    __host__ __device__ static constexpr int voff(int p, int r) {
+        return 64 * (p / 2) + 32 * (r / 2) + 16 * (p % 2) + 8 * (r % 2);
+    }
+    struct Piece {
+        uint4 q;
+        uint4 qh;  // Q5_K: qh bytes l .. l+15
+        float ds[2], dm[2];
+        int bit;  // Q5_K: the qh bit of sub-block 2c
+    };
+    __device__ static Piece load(const unsigned char* block, int p) {
+        Piece pc;
+        const uint4 h = *reinterpret_cast<const uint4*>(block);
+        pc.q = *reinterpret_cast<const uint4*>(block + QS + 16 * p);
+        if constexpr (Q5) pc.qh = *reinterpret_cast<const uint4*>(block + 16 + 16 * (p % 2));
+        pc.bit = 2 * (p / 2);
+        const float d = half_to_float(h.x & 0xFFFFu), dmin = half_to_float(h.x >> 16);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned sc, m;
+            scale_min_k4(pc.bit + s, h, sc, m);
+            pc.ds[s] = __fmul_rn(d, uint_to_float(sc));
+            pc.dm[s] = __fmul_rn(dmin, uint_to_float(m));
+        }
+        return pc;
+    }
+    __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
+        const int s = r / 2;
+        unsigned w0 = ((r % 2 ? pc.q.z : pc.q.x) >> (4 * s)) & 0x0F0F0F0Fu;
+        unsigned w1 = ((r % 2 ? pc.q.w : pc.q.y) >> (4 * s)) & 0x0F0F0F0Fu;
+        if constexpr (Q5) {  // bit j of each qh byte -> bit 4 of the value's byte
+            w0 |= (((r % 2 ? pc.qh.z : pc.qh.x) >> (pc.bit + s)) << 4) & 0x10101010u;
+            w1 |= (((r % 2 ? pc.qh.w : pc.qh.y) >> (pc.bit + s)) << 4) & 0x10101010u;
+        }
+        // fl(fl(ds * q) - dm) in one FFMA: ds * q is exact (an fp16 times 6 bits, times 5 bits: <= 22 bits), and an
+        // FMA rounds the exact ds * q - dm once, with the signed-zero rule of that sum.
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __fmaf_rn(pc.ds[s], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE), -pc.dm[s]);
+    }
+};
+using FmtQ4_K = FmtK4<false>;
+using FmtQ5_K = FmtK4<true>;
+
+// ---- Q6_K: [0:128] ql | [128:192] qh | [192:208] int8 scales[16] | [208:210] d -------------------------------
+// Piece p (8 per block): half h = p/4, l = 8(p%4); run k = values 128h + 32k + l .. +7 of sub-block 8h + 2k + l/16:
+// low (k < 2) or high nibbles of ql[64h + 32(k%2) + l ..], bits 2k, 2k+1 of qh[32h + l ..]; x = fl(d*sc) * (q - 32).
+struct FmtQ6_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, PIECES = 8, RUNS = 4;
+    static constexpr bool ALIGNED16 = false;
+    __host__ __device__ static constexpr int voff(int p, int r) { return 128 * (p / 4) + 32 * r + 8 * (p % 4); }
+    struct Piece {
+        unsigned ql[4];  // ql[64h + l ..] (words 0-1), ql[64h + 32 + l ..] (words 2-3)
+        unsigned qh[2];
+        float ds[4];
+    };
+    __device__ static Piece load(const unsigned char* block, int p) {
+        Piece pc;
+        const int h = p / 4, l = 8 * (p % 4);
+        unsigned a[2], b[2], sc[2];
+        load_words_a2<2>(block + 64 * h + l, a);
+        load_words_a2<2>(block + 64 * h + 32 + l, b);
+        load_words_a2<2>(block + 128 + 32 * h + l, pc.qh);
+        load_words_a2<2>(block + 192 + 8 * h, sc);  // the half's 8 scales
+        pc.ql[0] = a[0], pc.ql[1] = a[1], pc.ql[2] = b[0], pc.ql[3] = b[1];
+        const float d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = l / 16 + 2 * k;  // scale index within the half
+            pc.ds[k] = __fmul_rn(d, byte_minus((j < 4 ? sc[0] : sc[1]) ^ 0x80808080u, j % 4, MAGIC_U_VALUE + 128.f));
+        }
+        return pc;
+    }
+    __device__ static void run(const Piece& pc, int k, float (&w)[8]) {
+        // each byte: the low nibble from ql, bits 4-5 from bits 2k, 2k+1 of qh: q in 0 .. 63
+        const unsigned w0 = ((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u);
+        const unsigned w1 = ((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.ds[k], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 32.f));
+    }
+};
+
+}  // namespace lucegen

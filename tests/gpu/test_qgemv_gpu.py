@@ -1,0 +1,116 @@
+"""Quantized GEMV / small-M GEMM on the GPU against numpy, on freshly drawn blocks (quantized normal values, or
+random bytes with finite fp16 scales): the decode bit for bit, Y = X W^T within the fp32 summation bound, and each
+row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN) and allocated
+longer than the kernel may write, so a missed element and a stray write both show.
+
+Run for the GPU's own spec and for the RTX 3090 spec emulated at the GPU's arch (its M-tile, stages and grid).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lucegen.codegen.build import build
+from lucegen.kernels import qgemv
+from lucegen.model.config import tiny_config
+from lucegen.model.quants import dequantize
+from lucegen.runtime import DeviceArray, device_info
+from lucegen.spec import load_spec, spec_for_current_device
+
+from test_qgemv import draw_rows
+
+pytestmark = pytest.mark.gpu
+# K per format: whole blocks, one not a whole number of K-slices, the 27B widths
+KS = {f: ([136, 256] if f == "bf16" else [160] if f in ("q8_0", "q4_0") else [256]) + [1024, 3584, 5120, 17408]
+      for f in qgemv.FORMATS}
+PAIRS = [(f, k) for f, ks in KS.items() for k in ks]
+MS = [1, 2, 3, 8, 16, 33, 64]
+TAIL = 64  # poisoned elements past the end of every output
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module", params=["device", "rtx3090"])
+def ops(request, tmp_path_factory):
+    """({(format, K): QMatmul}, {format: Dequant}) built for the device's spec or the 3090's."""
+    spec = spec_for_current_device()
+    if request.param != "device":
+        spec = load_spec(request.param).with_arch(device_info().arch)
+    model = tiny_config()
+    result = build(spec, model, qgemv.units(spec, model, PAIRS), root=tmp_path_factory.mktemp("qgemv"))
+    modules = {f: result.module(f"qgemv_{f}") for f in KS}
+    return ({(f, k): qgemv.QMatmul(modules[f], spec, f, k) for f, k in PAIRS},
+            {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.gemv.threads) for f in KS})
+
+
+def poisoned(n: int) -> DeviceArray:
+    a = DeviceArray.empty(n + TAIL, np.float32)
+    a.fill_bytes(0xFF)
+    return a
+
+
+def written(a: DeviceArray, n: int) -> np.ndarray:
+    """The first n elements; the tail must still hold the poison."""
+    host = a.numpy()
+    assert (host[n:].view(np.uint32) == 0xFFFFFFFF).all(), "the kernel wrote past its output"
+    assert np.isfinite(host[:n]).all(), "non-finite output (unwritten or NaN)"
+    return host[:n]
+
+
+def draw(fmt: str, n: int, k: int, m: int, seed: int):
+    raw = draw_rows(fmt, n, k, seed)
+    x = np.random.default_rng(seed ^ 0x5EED).standard_normal((m, k), dtype=np.float32)
+    return raw, x
+
+
+def summation_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+    """|Y - X W^T| bound of an fp32 sum (exact decoded weights) whose every term passes through at most 8 roundings
+    in its run's dot8, one per later run of its lane (runs per piece x K-slices) and 5 in the warp's butterfly:
+    (that count) * 2^-24 * |X| |W|^T, element by element."""
+    f = qgemv.fmt_of(fmt)
+    depth = 8 + f.slice_values // 256 * -(-x.shape[1] // f.slice_values) + 5
+    w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
+    return depth * 2.0**-24 * (np.abs(x).astype(np.float64) @ w.T)
+
+
+@SETTINGS
+@given(fmt=st.sampled_from(sorted(KS)), n=st.integers(1, 300), blocks=st.integers(1, 40),
+       seed=st.integers(0, 2**32 - 1))
+def test_dequant_is_bit_equal_to_gguf(ops, fmt, n, blocks, seed):
+    f = qgemv.fmt_of(fmt)
+    k = blocks * (256 if fmt == "bf16" else f.block_values)
+    raw = draw_rows(fmt, n, k, seed)
+    out = poisoned(n * k)
+    ops[1][fmt](qgemv.device_weights(raw), out, n, k)
+    ours = written(out, n * k).reshape(n, k)
+    np.testing.assert_array_equal(ours.view(np.uint32), dequantize(raw, f.ggml).view(np.uint32))
+
+
+@SETTINGS
+@given(pair=st.sampled_from(PAIRS), m=st.sampled_from(MS), n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_qmatmul_matches_numpy(ops, pair, m, n, seed):
+    fmt, k = pair
+    raw, x = draw(fmt, n, k, m, seed)
+    y = poisoned(m * n)
+    ops[0][pair](qgemv.device_weights(raw), DeviceArray.from_numpy(x), y, n, m)
+    out = written(y, m * n).reshape(m, n).astype(np.float64)
+    ref = qgemv.reference(raw, fmt, x)
+    assert (np.abs(out - ref) <= summation_bound(raw, fmt, x)).all()
+    if m * n >= 64:  # over enough outputs that the norm is not one cancelling sum
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pair=st.sampled_from(PAIRS), m=st.sampled_from(MS[1:]), n=st.integers(1, 400), seed=st.integers(0, 2**32 - 1))
+def test_every_gemm_row_is_the_gemv_bit_for_bit(ops, pair, m, n, seed):
+    fmt, k = pair
+    raw, x = draw(fmt, n, k, m, seed)
+    w, xd = qgemv.device_weights(raw), DeviceArray.from_numpy(x)
+    op = ops[0][pair]
+    y = poisoned(m * n)
+    op(w, xd, y, n, m)
+    gemm = written(y, m * n).reshape(m, n)
+    for i in range(m):
+        yi = poisoned(n)
+        op(w, xd.view(k, offset_bytes=4 * k * i), yi, n, 1)
+        np.testing.assert_array_equal(written(yi, n).view(np.uint32), gemm[i].view(np.uint32))

@@ -1,0 +1,247 @@
+"""Quantized GEMV / GEMM without a GPU: render + NVRTC compile for every spec, the shapes and pairs the units are
+made of, and the device decode (templates/quant.cuh) compiled for the host and checked bit for bit against the
+gguf package on freshly drawn blocks."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from gguf import quants as gguf_quants
+from hypothesis import given, settings, strategies as st
+
+from lucegen.codegen.build import build
+from lucegen.codegen.render import TEMPLATES_DIR
+from lucegen.kernels import qgemv
+from lucegen.model import quants
+from lucegen.model.config import load_config, tiny_config
+from lucegen.spec import list_specs, load_spec
+
+from test_quants import random_raw
+
+CHECK_K = 3584  # 14 blocks of 256: a last K-slice of half the lanes for the 1024-value slices
+
+
+def draw_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of k values in `fmt`: quantized normal values or random blocks with finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    f = qgemv.fmt_of(fmt)
+    if seed % 2 or fmt == "bf16":
+        return qgemv.encode(rng.standard_normal((n, k), dtype=np.float32) * 10 ** rng.uniform(-2, 2), fmt)
+    return random_raw(f.ggml, n, k // f.block_values, seed)
+
+
+@pytest.mark.parametrize("spec_name", list_specs())
+def test_every_format_compiles_without_spills(tmp_path, spec_name):
+    spec, model = load_spec(spec_name), tiny_config()
+    pairs = [(f, CHECK_K) for f in qgemv.FORMATS]
+    result = build(spec, model, qgemv.units(spec, model, pairs), root=tmp_path)
+    names = {k.name for k in result.kernels}
+    for f in qgemv.FORMATS:
+        assert {f"qgemv_{f}_k{CHECK_K}", f"qdequant_{f}"} <= names
+        assert any(n.startswith(f"qgemm_{f}_k{CHECK_K}_m") for n in names)
+    for k in result.kernels:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
+        assert k.dynamic_smem + k.static_smem <= spec.chip.smem_per_block
+        # the GEMV's stages leave room for two blocks per SM; every kernel runs at least one
+        assert k.coresident_blocks >= (2 if k.name.startswith("qgemv_") else 1) * spec.chip.sm_count, k.name
+
+
+def test_a_k_that_is_not_whole_blocks_is_refused_when_rendering():
+    spec, model = load_spec("rtx3090"), tiny_config()
+    with pytest.raises(ValueError, match="q4_k rows of K = 1000.*256"):
+        qgemv.units(spec, model, [("q4_k", 1000)])
+    with pytest.raises(ValueError, match="q8_0 rows of K = 48.*32"):
+        qgemv.units(spec, model, [("q8_0", 48)])
+    with pytest.raises(ValueError, match="no quantized GEMV for weight format 'iq4_xs'"):
+        qgemv.units(spec, model, [("iq4_xs", 256)])
+
+
+def test_formats_match_the_gguf_block_layouts():
+    for f in qgemv.FORMATS.values():
+        if f.name != "bf16":
+            assert quants.block_shape(f.ggml) == (f.block_values, f.block_bytes)
+        assert f.slice_values % f.block_values == 0 and f.slot_bytes % 16 == 0
+        assert f.aligned16 == (f.block_bytes % 16 == 0)
+
+
+def test_the_27b_q4_k_m_mix_needs_five_shapes():
+    model = load_config("qwen3.5-27b")
+    assert qgemv.mix_pairs(model) == [("q4_k", 5120), ("q4_k", 6144), ("q4_k", 17408), ("q6_k", 5120),
+                                      ("q6_k", 17408)]
+    # the 0.8B ties its embeddings: the Q6_K embedding is the LM head, so it is multiplied (K = 1024)
+    assert ("q6_k", 1024) in qgemv.mix_pairs(load_config("qwen3.5-0.8b"))
+    assert {f for f, _ in qgemv.mix_pairs(model, "q8_0")} == {"q8_0"}
+
+
+def test_a_gguf_files_pairs_are_its_matrices(tmp_path):
+    from lucegen.model.checkpoint import make_checkpoint
+    from lucegen.model.gguf_file import load_gguf
+    cfg = tiny_config(hidden_size=256, intermediate_size=512)
+    path = make_checkpoint(tmp_path, cfg, formats=("gguf",), progress=False)["gguf"]
+    # K = 64 (DeltaNet out_proj) and 128 (attention o_proj) are not whole Q4_K blocks: Q8_0, as llama.cpp falls back
+    assert qgemv.gguf_pairs(load_gguf(path)) == qgemv.mix_pairs(cfg) == [
+        ("q4_k", 256), ("q4_k", 512), ("q6_k", 256), ("q6_k", 512), ("q8_0", 64), ("q8_0", 128)]
+
+
+@pytest.mark.parametrize("k", [1024, 5120, 17408])
+def test_tuning_fits_each_spec_and_the_gemm_takes_the_largest_m_tile_that_fits(k):
+    for name in list_specs():
+        spec = load_spec(name)
+        for f in qgemv.FORMATS.values():
+            v, m = qgemv.tuning(spec, f, k, gemm=False), qgemv.tuning(spec, f, k, gemm=True)
+            assert v.mt == 1 and 2 <= v.stages <= 4 and 2 <= m.stages <= 4
+            assert v.smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
+            assert m.smem(f, k) <= spec.chip.smem_per_block
+            bigger = [mt for mt in qgemv.MT_CHOICES if mt > m.mt]
+            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).smem(f, k) > spec.chip.smem_per_block
+                       for mt in bigger)
+            if not v.xfull:  # activations loaded with each stage only when all of them would not fit
+                assert dataclasses.replace(v, xfull=True, stages=2).smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
+    # the 3090's GEMV of K = 5120 holds all 5120 activations (20 KB), of K = 17408 (68 KB) only each stage's
+    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 5120, gemm=False).xfull
+    assert not qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 17408, gemm=False).xfull
+
+
+def test_shared_memory_sizes_worked_out_by_hand():
+    q8 = qgemv.FORMATS["q8_0"]  # slices of 1024 values = 32 blocks = 1088 bytes, widened: 1104-byte slots
+    # 2 stages x (16 rows x 1104 + M-tile 2 x 1024 fp32)
+    assert qgemv.Tuning(256, 2, 2, 2, False).smem(q8, 5120) == 2 * (16 * 1104 + 2 * 1024 * 4)
+    # activations once: 8 rows x 5 slices x 1024 fp32, then 3 stages x 16 rows x 1104
+    assert qgemv.Tuning(256, 2, 8, 3, True).smem(q8, 5120) == 8 * 5 * 1024 * 4 + 3 * 16 * 1104
+    spec = load_spec("rtx3090")
+    small = dataclasses.replace(spec, chip=dataclasses.replace(spec.chip, smem_per_block=16384))
+    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 51712 bytes of shared memory; "
+                                         "a block may use 16384"):
+        qgemv.tuning(small, q8, 5120, gemm=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 5), blocks=st.integers(1, 6),
+       m=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_reference_is_dequantize_then_matmul(fmt, n, blocks, m, seed):
+    k = blocks * qgemv.fmt_of(fmt).block_values
+    raw = draw_rows(fmt, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32)
+    w = gguf_quants.dequantize(raw, qgemv.fmt_of(fmt).ggml).astype(np.float64)
+    np.testing.assert_allclose(qgemv.reference(raw, fmt, x), x.astype(np.float64) @ w.T, rtol=1e-12, atol=0)
+
+
+# ---- the device decode, compiled for the host ------------------------------------------------------------------
+# quant.cuh includes common.cuh (device code) and cuda_fp16.h; in a scratch folder those two are replaced by this
+# stand-in, which gives the CUDA intrinsics quant.cuh uses their exact semantics on the host.
+HOST_SHIM = r"""
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#define __device__
+#define __host__
+#define __forceinline__ inline
+struct uint4 { unsigned x, y, z, w; };
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // PRMT, default mode
+    const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+    unsigned r = 0;
+    for (int k = 0; k < 4; ++k) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * k)) & 7))) & 0xFF) << (8 * k);
+    return r;
+}
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
+    return static_cast<unsigned>(((static_cast<uint64_t>(hi) << 32) | lo) >> (s & 31));
+}
+struct __half { unsigned short bits; };
+static inline __half __ushort_as_half(unsigned short b) { return {b}; }
+static inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits, 2); return static_cast<float>(f); }
+"""
+
+HOST_MAIN = r"""
+#include HEADER
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+using namespace lucegen;
+// argv: rows k offset in out. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
+// boundary, exactly as qdequant does on the device.
+template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
+    const int pieces = k / F::BLOCK_VALUES * F::PIECES;
+    const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    for (long r = 0; r < n; ++r)
+        for (int t = 0; t < pieces; ++t) {
+            const int b = t / F::PIECES, p = t % F::PIECES;
+            const auto pc = F::load(w + r * row + static_cast<long>(b) * F::BLOCK_BYTES, p);
+            for (int j = 0; j < F::RUNS; ++j) {
+                float v[8];
+                F::run(pc, j, v);
+                for (int i = 0; i < 8; ++i) out[r * k + b * F::BLOCK_VALUES + F::voff(p, j) + i] = v[i];
+            }
+        }
+}
+int main(int argc, char** argv) {
+    const long n = std::atol(argv[1]);
+    const int k = std::atoi(argv[2]), offset = std::atoi(argv[3]);
+    FILE* f = std::fopen(argv[4], "rb");
+    std::vector<unsigned char> buf(1 << 20);
+    unsigned char* w = buf.data() + (16 - reinterpret_cast<size_t>(buf.data()) % 16) % 16 + offset;
+    const size_t got = std::fread(w, 1, buf.size() - 32, f);
+    std::fclose(f);
+    std::vector<float> out(n * k);
+    DEQUANT(w, out.data(), n, k);
+    f = std::fopen(argv[5], "wb");
+    std::fwrite(out.data(), 4, out.size(), f);
+    std::fclose(f);
+    return got == 0;
+}
+"""
+
+
+def host_decoder(directory, header: str, cls: str):
+    """A host executable running the decode of format `cls` from templates/`header` (argv: rows k offset in out),
+    or a pytest skip where there is no host C++ compiler."""
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++ or clang++)")
+    for name in ("quant.cuh", header):
+        shutil.copy(TEMPLATES_DIR / name, directory)
+    (directory / "common.cuh").write_text(HOST_SHIM)
+    (directory / "cuda_fp16.h").write_text("#pragma once\n")
+    (directory / "main.cpp").write_text(HOST_MAIN)
+    exe = directory / f"decode_{cls}"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", f'-DHEADER="{header}"', f"-DDEQUANT=dequant<{cls}>",
+                    f"-I{directory}", str(directory / "main.cpp"), "-o", str(exe)], check=True, capture_output=True)
+    return exe
+
+
+def host_decode(exe, raw: np.ndarray, k: int, offset: int, directory) -> np.ndarray:
+    """Rows of bytes through a host decoder, placed `offset` bytes past a 16-byte boundary: float32 [rows, k]."""
+    raw.tofile(directory / "in.bin")
+    subprocess.run([str(exe), str(len(raw)), str(k), str(offset), str(directory / "in.bin"), str(directory / "out.bin")],
+                   check=True)
+    return np.fromfile(directory / "out.bin", np.float32).reshape(len(raw), k)
+
+
+@pytest.fixture(scope="module")
+def host_decoders(tmp_path_factory):
+    """{format: path of a host executable running quant.cuh's decode of that format}."""
+    d = tmp_path_factory.mktemp("host_decode")
+    return {f.name: host_decoder(d, "quant.cuh", f.cls) for f in qgemv.FORMATS.values()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 3), blocks=st.integers(1, 5),
+       offset=st.sampled_from([0, 2, 4, 6, 8, 14]), seed=st.integers(0, 2**32 - 1))
+def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt, n, blocks, offset, seed):
+    f = qgemv.fmt_of(fmt)
+    if f.aligned16:
+        offset = 0  # these formats' rows always start on 16-byte boundaries
+    k = blocks * (256 if fmt == "bf16" else f.block_values)
+    raw = draw_rows(fmt, n, k, seed)
+    ours = host_decode(host_decoders[fmt], raw, k, offset, tmp_path_factory.mktemp("io"))
+    theirs = gguf_quants.dequantize(raw, f.ggml)
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
