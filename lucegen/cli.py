@@ -6,6 +6,7 @@ import sys
 import time
 
 from .model.config import ConfigError, load_config
+from .plan import add_parser as register_plan
 from .serve import register as register_run_serve
 from .spec import SpecError, all_specs, load_spec, match_device
 
@@ -68,12 +69,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
-    from .bench import gemv
+    from .bench import gemv, prefill
     from .bench.results import Recorder
     from .runtime import device_info
     rec = Recorder(gpu=device_info().name, out=Path(args.results) if args.results else None)
     if args.suite == "gemv":
         gemv.run(rec, tune=args.tune)
+    elif args.suite == "prefill":
+        prefill.run(rec)
+    elif args.suite == "qgemv":
+        from .bench import qgemv
+        qgemv.run(rec)
+    elif args.suite == "decode":
+        from .bench import decode
+        decode.run(rec)
     print(f"results appended to {rec.out}")
     return 0
 
@@ -90,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("specs", help="list the chip specs").set_defaults(fn=cmd_specs)
     sub.add_parser("doctor", help="check NVRTC, headers, driver and GPU").set_defaults(fn=cmd_doctor)
     bench = sub.add_parser("bench", help="benchmarks on this machine's GPU; results go to results/<gpu>.jsonl")
-    bench.add_argument("suite", choices=["gemv"])
+    bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode"])
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
     bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
     bench.set_defaults(fn=cmd_bench)
     register_run_serve(sub)  # run, serve
+    register_plan(sub)  # plan
     args = p.parse_args(argv)
     try:
         return args.fn(args)

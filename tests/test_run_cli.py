@@ -13,6 +13,7 @@ from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.model.tokenizer import Tokenizer
 from lucegen.model.weights import open_weights
+from lucegen.runtime import gpu_available
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,6 @@ def test_run_streams(checkpoint):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--backend", "cuda"], "the cuda backend is not available yet"),
     (["--max-tokens", "5000"], "max_tokens can be at most"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--draft", "d"], "speculative decoding is not available yet"),
@@ -74,6 +74,12 @@ def test_run_streams(checkpoint):
 def test_run_errors(checkpoint, capsys, args, message):
     assert main(["run", "--model", str(checkpoint), "--prompt", "hi", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present: this checks the message where there is none")
+def test_run_cuda_without_a_gpu_is_a_clear_error(checkpoint, capsys):
+    assert main(["run", "--model", str(checkpoint), "--prompt", "hi", "--backend", "cuda"]) == 2
+    assert "the cuda backend needs an NVIDIA GPU" in capsys.readouterr().err
 
 
 def test_run_missing_model(tmp_path, capsys):

@@ -26,9 +26,21 @@ def _numpy(weights: LazyWeights, max_context: int | None, spec: str | None) -> E
     return NumpyEngine(weights, weights.config, max_context)
 
 
+def _cuda(weights: LazyWeights, max_context: int | None, spec: str | None) -> Engine:
+    """The decode megakernel (prompts go through the decode path until the prefill kernels are wired in)."""
+    from ..runtime import NoDriverError, init
+    from ..spec import load_spec
+    from .decode import DecodeEngine
+    try:
+        init()
+    except NoDriverError as e:
+        raise LoadError(f"the cuda backend needs an NVIDIA GPU: {e}") from None
+    return DecodeEngine(weights, weights.config, load_spec(spec) if spec else None, max_context)
+
+
 BACKENDS: dict[str, Callable[[LazyWeights, int | None, str | None], Engine] | None] = {
     "numpy": _numpy,
-    "cuda": None,  # the generated-kernel engine (decode megakernel): not written yet
+    "cuda": _cuda,
 }
 
 
