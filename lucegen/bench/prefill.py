@@ -53,7 +53,11 @@ def prefill_flops(cfg: ModelConfig, T: int) -> float:
 def _torch():
     if importlib.util.find_spec("torch") is None:
         return None
-    import torch
+    try:
+        import torch
+    except Exception as e:  # seen on the lab image: torch's own import failing inside some processes
+        print(f"peers skipped: importing torch failed ({type(e).__name__}: {e})")
+        return None
     return torch if torch.cuda.is_available() else None
 
 
