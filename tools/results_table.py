@@ -17,18 +17,19 @@ def latest(path: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            rows[(r["metric"], r["model"])] = r  # later lines are newer
+            rows[(r["metric"], r["model"], r.get("peer"), r.get("path"))] = r  # later lines are newer
     return list(rows.values())
 
 
 def table(path: Path) -> str:
     out = [f"### {path.stem}", "",
-           "| metric | model | value | unit | limit | of limit | commit | date |",
-           "|---|---|---:|---|---:|---:|---|---|"]
+           "| metric | model | run by | value | unit | limit | of limit | commit | date |",
+           "|---|---|---|---:|---|---:|---:|---|---|"]
     for r in latest(path):
         limit = r.get("limit")
         ratio = f"{r['value'] / limit:.1%}" if limit else ""
-        out.append(f"| {r['metric']} | {r['model']} | {r['value']:.4g} | {r['unit']} | "
+        who = r.get("peer") or r.get("path") or "lucegen"
+        out.append(f"| {r['metric']} | {r['model']} | {who} | {r['value']:.4g} | {r['unit']} | "
                    f"{'' if limit is None else f'{limit:.4g}'} | {ratio} | {r['commit']} | {r['date'][:10]} |")
     return "\n".join(out)
 
