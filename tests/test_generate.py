@@ -13,6 +13,7 @@ from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.model.tokenizer import Tokenizer
 from lucegen.model.weights import open_weights
+from lucegen.runtime import gpu_available
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,9 @@ def test_loader_opens_a_gguf_with_the_tokenizer_beside_it(tmp_path):
 
 
 def test_loader_errors(checkpoint):
-    with pytest.raises(LoadError, match="the cuda backend is not available yet"):
-        load_model(checkpoint, "cuda")
+    if not gpu_available():
+        with pytest.raises(LoadError, match="the cuda backend needs an NVIDIA GPU"):
+            load_model(checkpoint, "cuda")
     with pytest.raises(LoadError, match="unknown backend 'tpu'"):
         load_model(checkpoint, "tpu")
     with pytest.raises(LoadError, match="speculative decoding is not available yet"):
