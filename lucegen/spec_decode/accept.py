@@ -1,0 +1,28 @@
+"""The acceptance walk (algorithms.md §4.4); commit (from verify) then keeps exactly the accepted path.
+
+The walk draws the target's own token at each visited node (greedy: the argmax; sampled: a draw from the
+request's filtered distribution with its own Generator) and follows the child holding that token, so every
+committed token is exactly what plain decoding would have produced at that prefix.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from lucegen.engine.sampling import Sampler
+from lucegen.spec_decode.tree import Tree
+from lucegen.spec_decode.verify import commit
+
+__all__ = ["commit", "walk"]
+
+
+def walk(tree: Tree, logits: np.ndarray, sampler: Sampler) -> tuple[list[int], int]:
+    """The accepted nodes (root first) and the bonus token, the target's choice after the last of them.
+
+    Only visited nodes are sampled: the same law as one independent draw per node, with fewer draws."""
+    node, accepted = 0, [0]
+    token = sampler(logits[0])
+    while token in tree.children[node]:
+        node = tree.children[node][token]
+        accepted.append(node)
+        token = sampler(logits[node])
+    return accepted, token

@@ -1,0 +1,64 @@
+"""The speculative decode loop: draft, build a tree, one target pass over it, walk, commit.
+
+draft_fn(context_ids, n) returns log-probs [n, vocab] for the next n positions after the context (the DFlash draft
+plugs in here). Each round emits the accepted draft tokens and the bonus token; the bonus is the next round's root.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from lucegen.engine.sampling import Sampler, SamplingParams
+from lucegen.model.config import ModelConfig
+from lucegen.reference.model import State, Weights, prefill
+from lucegen.spec_decode.accept import commit, walk
+from lucegen.spec_decode.tree import build_tree
+from lucegen.spec_decode.verify import tree_forward
+
+DraftFn = Callable[[Sequence[int], int], np.ndarray]
+GREEDY = SamplingParams(temperature=0)
+
+
+def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int,
+                         draft_fn: DraftFn, budget: int, sampling: SamplingParams = GREEDY,
+                         eos_token_id: int | None = None, depth: int = 15, chain: bool = False) -> list[int]:
+    """Up to max_new_tokens tokens, ending after the first eos_token_id; the same tokens as plain greedy decoding
+    (temperature 0) or a draw from the same distribution as plain sampling. depth: draft positions per round
+    (DFlash: block size - 1); chain: verify the draft's top-1 chain (at most budget long) instead of a tree."""
+    sampler = Sampler(sampling)
+    state = State()
+    out = [sampler(prefill(weights, cfg, prompt_ids, state)[-1])]
+    while out[-1] != eos_token_id and len(out) < max_new_tokens:
+        n = min(depth, max_new_tokens - len(out) - 1)  # a round emits at most n + 1 tokens
+        tree = build_tree(draft_fn([*prompt_ids, *out], n), budget, root=out[-1], top_k=1 if chain else None)
+        logits, nodes = tree_forward(weights, cfg, state, tree.tokens, tree.parents)
+        accepted, bonus = walk(tree, logits, sampler)
+        state = commit(state, nodes, accepted)
+        new = [tree.tokens[a] for a in accepted[1:]] + [bonus]
+        if eos_token_id in new:
+            new = new[:new.index(eos_token_id) + 1]
+        out += new
+    return out
+
+
+def oracle_draft(target: Sequence[int], prompt_len: int, vocab_size: int, accuracy: float = 1.0,
+                 seed: int = 0) -> DraftFn:
+    """A draft that knows the continuation target (tokens after the prompt): at each position it ranks the true
+    token first with probability accuracy, else a random wrong token first (the true one second); the other
+    log-probs are random. Off the target's path (after a rejected guess) its guesses are simply random."""
+    rng = np.random.default_rng(seed)
+
+    def draft(context: Sequence[int], n: int) -> np.ndarray:
+        lp = rng.normal(size=(n, vocab_size)) - 4
+        on_path = list(context[prompt_len:]) == list(target[:len(context) - prompt_len])
+        for d in range(n):
+            i = len(context) - prompt_len + d
+            if not on_path or i >= len(target):
+                break
+            wrong = (target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size
+            first, second = (target[i], wrong) if rng.random() < accuracy else (wrong, target[i])
+            lp[d, first], lp[d, second] = 0.0, -1.0
+        return lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
+
+    return draft

@@ -1,0 +1,74 @@
+"""DDTree draft trees (algorithms.md §4.2): the `budget` most probable prefixes under the draft's per-depth
+marginals, built best-first with a heap on cumulative log-probability.
+
+Nodes are numbered in insertion order, so a parent's index is below its children's; node 0 is the root (the bonus
+token, already chosen by the target) and does not count toward the budget.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Tree:
+    tokens: list[int]  # [N]; tokens[0] the root
+    parents: list[int]  # [N]; -1 for the root
+    depths: list[int]  # [N]; 0 for the root
+    children: list[dict[int, int]]  # node -> {token: child node}
+
+    def add(self, token: int, parent: int) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append({})
+        self.children[parent][token] = len(self.tokens) - 1
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root to node, both included."""
+        nodes = [node]
+        while self.parents[nodes[-1]] >= 0:
+            nodes.append(self.parents[nodes[-1]])
+        return nodes[::-1]
+
+    def visibility(self) -> np.ndarray:
+        """[N, N] bool: node i sees node j iff j is i or one of its ancestors (the tree attention mask)."""
+        vis = np.eye(len(self.tokens), dtype=bool)
+        for i in range(1, len(self.tokens)):
+            vis[i, :i] = vis[self.parents[i], :i]
+        return vis
+
+
+def build_tree(logprobs: np.ndarray, budget: int, root: int = 0, chain_seed: bool = True,
+               top_k: int | None = None) -> Tree:
+    """A tree of at most budget nodes below the root from draft log-probs [L, V] (depth d+1 in row d).
+
+    Only the top_k = min(budget, V) tokens per depth can appear (Lemma 1); top_k=1 gives a chain. chain_seed first
+    inserts the top-1 chain, then continues best-first (the LB port's default; off = the paper's pure best-first,
+    which yields exactly the budget most probable prefixes).
+    """
+    L, V = logprobs.shape
+    K = min(budget, V) if top_k is None else min(top_k, budget, V)
+    ids = np.argsort(-logprobs, axis=1, kind="stable")[:, :K]  # rank 0 = best
+    lp = np.take_along_axis(logprobs, ids, axis=1).astype(np.float64)
+    tree = Tree([root], [-1], [0], [{}])
+    if budget < 1 or L < 1:
+        return tree
+    if chain_seed:
+        for d in range(min(L, budget)):
+            tree.add(int(ids[d, 0]), len(tree.tokens) - 1)
+    heap = [(-lp[0, 0], 0, 1, 0)]  # (-logw, parent, depth, rank); ties broken by parent, depth, rank
+    while heap and len(tree.tokens) <= budget:
+        neg_logw, parent, depth, rank = heapq.heappop(heap)
+        token = int(ids[depth - 1, rank])
+        node = tree.children[parent].get(token)  # present when the chain seed put it there
+        if node is None:
+            node = tree.add(token, parent)
+        if rank + 1 < K:
+            heapq.heappush(heap, (neg_logw + lp[depth - 1, rank] - lp[depth - 1, rank + 1], parent, depth, rank + 1))
+        if depth < L:
+            heapq.heappush(heap, (neg_logw - lp[depth, 0], node, depth + 1, 0))
+    return tree
