@@ -44,7 +44,7 @@ class Output(NamedTuple):
     hidden_states: list[np.ndarray] | None  # HF semantics, see forward
 
 
-def _sub(weights: Weights, prefix: str) -> dict[str, np.ndarray]:
+def sub_weights(weights: Weights, prefix: str) -> dict[str, np.ndarray]:
     return {name[len(prefix):]: w for name, w in weights.items() if name.startswith(prefix)}
 
 
@@ -59,17 +59,17 @@ def mlp(p: Weights, x: np.ndarray) -> np.ndarray:
 
 def decoder_layer(weights: Weights, cfg: ModelConfig, i: int, x: np.ndarray, state: State) -> np.ndarray:
     """Layer i over x [T, hidden] at positions state.position ...; updates layer i's entries of state."""
-    p = _sub(weights, f"layers.{i}.")
+    p = sub_weights(weights, f"layers.{i}.")
     eps = cfg.rms_norm_eps
     h = rms_norm(x, p["input_layernorm.weight"], eps)
     if cfg.layer_types[i] == LINEAR:
         h, state.conv[i], state.recurrent[i] = gated_deltanet(
-            _sub(p, "linear_attn."), cfg, h, state.conv.get(i), state.recurrent.get(i))
+            sub_weights(p, "linear_attn."), cfg, h, state.conv.get(i), state.recurrent.get(i))
     else:
         h, state.keys[i], state.values[i] = gated_attention(
-            _sub(p, "self_attn."), cfg, h, state.position, state.keys.get(i), state.values.get(i), state.kv_codec)
+            sub_weights(p, "self_attn."), cfg, h, state.position, state.keys.get(i), state.values.get(i), state.kv_codec)
     x = x + h
-    return x + mlp(_sub(p, "mlp."), rms_norm(x, p["post_attention_layernorm.weight"], eps))
+    return x + mlp(sub_weights(p, "mlp."), rms_norm(x, p["post_attention_layernorm.weight"], eps))
 
 
 def forward(weights: Weights, cfg: ModelConfig, token_ids: Sequence[int], state: State | None = None,

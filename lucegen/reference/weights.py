@@ -16,17 +16,17 @@ from lucegen.model.config import ModelConfig
 from lucegen.model.weights import weight_shapes
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
     """One PCG64 stream per (seed, tensor name): a tensor does not depend on which others exist."""
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
 def _random_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, peaked: bool) -> np.ndarray:
-    rng = _rng(seed, name)
+    rng = tensor_rng(seed, name)
     if name.endswith("A_log"):  # decay rate A in [1, 16]; the log in float64, then one rounding
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if peaked and name == "lm_head.weight":
-        perm = _rng(seed, "lm_head.permutation").permutation(cfg.vocab_size)
+        perm = tensor_rng(seed, "lm_head.permutation").permutation(cfg.vocab_size)
         embed = _random_tensor(cfg, "embed_tokens.weight", shape, seed, peaked=False)
         return embed[perm] / np.float32(np.sqrt(cfg.hidden_size))
     normal = rng.standard_normal(shape, dtype=np.float32)
