@@ -2,7 +2,8 @@
 
 Backends: `numpy` (lucegen.reference, slow, the truth; runs anywhere) and `cuda` (the generated kernels). Sampling,
 speculative decoding, `lucegen run` and `lucegen serve` are written against this interface only, so they run and are
-tested on the numpy backend in CI and on the cuda backend on a GPU.
+tested on the numpy backend in CI and on the cuda backend on a GPU. An engine with a draft attached (the numpy
+backend's `speculation`) also has speculate(context_ids, max_new, sampler) -> new tokens, one round per target pass.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..model.tokenizer import Tokenizer
 from .base import ContextOverflow, Engine
@@ -25,6 +25,12 @@ class Generation:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float  # from the end of the prefill to the last output token
+    target_passes: int = 0  # forward passes after the prefill: decode steps or speculative rounds
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Output tokens after the first per target pass (1 without a draft; more when drafts are accepted)."""
+        return (self.completion_tokens - 1) / self.target_passes if self.target_passes else 0.0
 
     @property
     def completion_tokens(self) -> int:
@@ -96,6 +102,27 @@ class _StopText:
                 self.on_text(text)
 
 
+class _Tokens:
+    """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode), or with a
+    draft (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run
+    only when their tokens are asked for; `passes` counts them."""
+
+    def __init__(self, engine: Engine, sampler: Sampler, prompt_ids: Sequence[int], max_tokens: int):
+        self.engine, self.sampler, self.prompt_ids, self.max_tokens = engine, sampler, prompt_ids, max_tokens
+        self.passes = 0
+
+    def __iter__(self) -> Iterator[int]:
+        engine, sampler = self.engine, self.sampler
+        out = [sampler(engine.prefill(self.prompt_ids))]
+        yield out[0]
+        while True:
+            self.passes += 1
+            new = (engine.speculate([*self.prompt_ids, *out], self.max_tokens - len(out), sampler)
+                   if getattr(engine, "speculation", None) else [sampler(engine.decode(out[-1]))])
+            out += new
+            yield from new
+
+
 def generate(engine: Engine, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_tokens: int | None = None,
              sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), *, ignore_eos: bool = False,
              on_text: Callable[[str], None] | None = None,
@@ -103,25 +130,26 @@ def generate(engine: Engine, tokenizer: Tokenizer, prompt_ids: Sequence[int], ma
     """Generate from an empty state (the engine is reset first) until an EOS token (the tokenizer's and the
     config's; not with ignore_eos), a stop string, max_tokens, or `cancelled()` (checked before the prefill and
     between tokens). Text goes to `on_text` piece by piece as it becomes final: whole characters, never a stop
-    string or text after one."""
+    string or text after one. With a draft on the engine, tokens come in speculative rounds: the same tokens
+    (greedy) or the same distribution (sampled) as without."""
     max_tokens = check_request(engine, prompt_ids, max_tokens)
     eos = set() if ignore_eos else {*tokenizer.eos_token_ids, engine.config.eos_token_id} - {None}
     text = _StopText(stop, on_text)
     detokenizer = tokenizer.detokenizer(skip_special_tokens=True)
-    sampler = Sampler(sampling)
+    source = _Tokens(engine, Sampler(sampling), prompt_ids, max_tokens)
     engine.reset()
     tokens: list[int] = []
     start = first = time.perf_counter()
     finish, at_stop_string = "cancelled", False
     if not cancelled():
-        logits = engine.prefill(prompt_ids)
-        first = time.perf_counter()
-        while True:
-            tokens.append(sampler(logits))
-            if tokens[-1] in eos:
+        for token in source:
+            if not tokens:
+                first = time.perf_counter()
+            tokens.append(token)
+            if token in eos:
                 finish = "stop"
                 break
-            if text.add(detokenizer.feed(tokens[-1])):
+            if text.add(detokenizer.feed(token)):
                 finish, at_stop_string = "stop", True
                 break
             if len(tokens) == max_tokens:
@@ -129,10 +157,9 @@ def generate(engine: Engine, tokenizer: Tokenizer, prompt_ids: Sequence[int], ma
                 break
             if cancelled():
                 break
-            logits = engine.decode(tokens[-1])
     if not at_stop_string:  # what the detokenizer and the stop check still hold
         if text.add(detokenizer.finish()):
             finish = "stop"
         text.flush()
     return Generation("".join(text.pieces), tokens, finish, len(prompt_ids), first - start,
-                      time.perf_counter() - first)
+                      time.perf_counter() - first, source.passes)

@@ -3,15 +3,19 @@
 Backends are registered by name in BACKENDS: a function (weights, max_context, spec) -> Engine, where `weights`
 is the lazily read checkpoint (lucegen.model.weights.LazyWeights, with .config; a GGUF one also has .raw() for the
 quantized bytes) and `spec` the chip spec name or path given with --spec (None when not given). None marks a
-backend that is planned but not written yet.
+backend that is planned but not written yet. A DFlash draft (--draft) runs on the numpy backend only, for now.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
+from ..model.draft import load_draft
 from ..model.tokenizer import Tokenizer
 from ..model.weights import LazyWeights, open_weights
+from ..reference.dflash import dflash_draft_fn
+from ..spec import DDTreeTuning, load_spec
+from ..spec_decode.decode import Speculation
 from .base import Engine
 
 
@@ -45,20 +49,30 @@ BACKENDS: dict[str, Callable[[LazyWeights, int | None, str | None], Engine] | No
 
 
 def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | None = None,
-               spec: str | None = None, draft: str | Path | None = None,
-               tokenizer: str | Path | None = None) -> tuple[Engine, Tokenizer]:
+               spec: str | None = None, draft: str | Path | None = None, budget: int | None = None,
+               chain: bool = False, tokenizer: str | Path | None = None) -> tuple[Engine, Tokenizer]:
     """The engine and tokenizer of `model`. The tokenizer comes from `tokenizer` (a folder), else the snapshot
-    folder, else (for a .gguf) the folder the file is in."""
+    folder, else (for a .gguf) the folder the file is in. `draft`: a DFlash draft directory for speculative
+    decoding, with trees of `budget` nodes (default: the spec's DDTree budget, else 22) or, with `chain`, the
+    draft's top-1 chain."""
     if backend not in BACKENDS:
         raise LoadError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     if BACKENDS[backend] is None:
         available = ", ".join(name for name, make in BACKENDS.items() if make)
         raise LoadError(f"the {backend} backend is not available yet (available: {available})")
-    if draft is not None:
-        raise LoadError(f"--draft {draft}: speculative decoding is not available yet")
+    if draft is not None and backend != "numpy":
+        raise LoadError(f"--draft is not available on the {backend} backend yet")
+    if budget is not None and budget < 1:
+        raise LoadError(f"--budget {budget}: must be at least 1")
     weights = open_weights(model)
     folder = tokenizer or (Path(model).parent if str(model).endswith(".gguf") else weights.dir)
-    return BACKENDS[backend](weights, max_context, spec), Tokenizer.from_dir(folder)
+    engine = BACKENDS[backend](weights, max_context, spec)
+    if draft is not None:
+        draft_cfg, draft_weights = load_draft(draft, weights.config)
+        budget = budget or (load_spec(spec).tuning.ddtree.budget if spec else DDTreeTuning.budget)
+        engine.speculation = Speculation(dflash_draft_fn(draft_weights, engine.weights, draft_cfg, weights.config),
+                                         draft_cfg.block_size - 1, budget, chain)
+    return engine, Tokenizer.from_dir(folder)
 
 
 def model_name(model: str | Path) -> str:

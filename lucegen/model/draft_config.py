@@ -78,6 +78,17 @@ class DraftConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(data, source=str(path))
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A z-lab style config.json that from_hf_dict reads back."""
+        d = {"model_type": "qwen3", "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "block_size": self.block_size,
+             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}}
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        return d
+
     def validate(self, source: str = "<draft config>") -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads {self.num_attention_heads} is not a multiple of "

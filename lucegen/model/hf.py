@@ -51,6 +51,24 @@ def resolve_snapshot(path_or_id: str | Path, revision: str | None = None, cache_
             f"(no network, or the id is not in the local cache): {type(e).__name__}: {e}") from None
 
 
+def open_safetensors(file: Path):
+    """A safe_open handle (numpy) of file, or a WeightError naming it."""
+    try:
+        return safe_open(file, framework="np")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
+        raise WeightError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def check_tensor(file: Path, handle, stored: str, shape: tuple[int, ...]) -> None:
+    """Raise a WeightError naming file and tensor unless the stored tensor has this shape and a float dtype."""
+    info = handle.get_slice(stored)
+    got, dtype = tuple(info.get_shape()), info.get_dtype()
+    if got != shape:
+        raise WeightError(f"{file}: tensor {stored!r} has shape {got}, but config.json implies {shape}")
+    if dtype not in DTYPES:
+        raise WeightError(f"{file}: tensor {stored!r} has dtype {dtype}; supported: {', '.join(DTYPES)}")
+
+
 class HFCheckpoint(LazyWeights):
     """Canonical weights of an HF snapshot directory; `dir` is the directory, `config` its ModelConfig."""
 
@@ -59,10 +77,7 @@ class HFCheckpoint(LazyWeights):
         super().__init__(ModelConfig.from_json(self.dir / "config.json"), str(self.dir))
         self._handles, self._where = {}, {}  # file -> safe_open handle; canonical name -> (file, stored name)
         for file in self._files():
-            try:
-                handle = self._handles[file] = safe_open(file, framework="np")
-            except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
-                raise WeightError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+            handle = self._handles[file] = open_safetensors(file)
             for stored in handle.keys():
                 self._add(file, handle, stored)
         missing = [n for n in self.shapes if n not in self._where]
@@ -98,13 +113,7 @@ class HFCheckpoint(LazyWeights):
                               f"({self.config.num_hidden_layers} layers, layer_types from config.json)")
         if name in self._where:
             raise WeightError(f"{file}: tensor {stored!r} duplicates one in {self._where[name][0]}")
-        info = handle.get_slice(stored)
-        shape, dtype = tuple(info.get_shape()), info.get_dtype()
-        if shape != self.shapes[name]:
-            raise WeightError(f"{file}: tensor {stored!r} has shape {shape}, "
-                              f"but config.json implies {self.shapes[name]}")
-        if dtype not in DTYPES:
-            raise WeightError(f"{file}: tensor {stored!r} has dtype {dtype}; supported: {', '.join(DTYPES)}")
+        check_tensor(file, handle, stored, self.shapes[name])
         self._where[name] = (file, stored)
 
     def _read(self, name: str) -> np.ndarray:

@@ -45,13 +45,16 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
                                                                  "model's max_position_embeddings)")
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model's folder)")
     p.add_argument("--spec", default=None, help="chip spec of the cuda backend (specs/<chip>.yaml or a name)")
-    p.add_argument("--draft", default=None, help="draft model for speculative decoding")
+    p.add_argument("--draft", default=None, help="DFlash draft folder for speculative decoding (numpy backend)")
+    p.add_argument("--budget", type=int, default=None, help="with --draft: draft tree nodes per target pass "
+                                                             "(default: the spec's DDTree budget, else 22)")
+    p.add_argument("--chain", action="store_true", help="with --draft: verify the draft's top-1 chain, not a tree")
 
 
 def _load(args: argparse.Namespace):
     from ..engine.loader import load_model
     return load_model(args.model, args.backend, max_context=args.max_context, spec=args.spec, draft=args.draft,
-                      tokenizer=args.tokenizer)
+                      budget=args.budget, chain=args.chain, tokenizer=args.tokenizer)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -75,8 +78,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
     print()
     print(f"prompt: {result.prompt_tokens} tokens, {result.prefill_tps:.1f} tok/s | output: "
-          f"{result.completion_tokens} tokens, {result.decode_tps:.1f} tok/s | finish: {result.finish_reason}",
-          file=sys.stderr)
+          f"{result.completion_tokens} tokens, {result.decode_tps:.1f} tok/s | finish: {result.finish_reason}"
+          + (f" | {result.tokens_per_pass:.2f} tokens per target pass" if args.draft else ""), file=sys.stderr)
     return 0
 
 

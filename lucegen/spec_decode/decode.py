@@ -6,6 +6,7 @@ plugs in here). Each round emits the accepted draft tokens and the bonus token; 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,27 @@ DraftFn = Callable[[Sequence[int], int], np.ndarray]
 GREEDY = SamplingParams(temperature=0)
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """How an engine drafts: draft_fn, depth (draft positions per round; DFlash: block size - 1), budget (tree
+    nodes below the root) and chain (verify the draft's top-1 chain instead of a tree)."""
+    draft_fn: DraftFn
+    depth: int
+    budget: int
+    chain: bool = False
+
+
+def speculative_round(weights: Weights, cfg: ModelConfig, state: State, context_ids: Sequence[int], n: int,
+                      draft_fn: DraftFn, budget: int, sampler: Sampler, chain: bool = False) -> tuple[State, list[int]]:
+    """One round after context_ids, whose last token (the root) is not in state yet: draft n positions, one target
+    pass over the tree, the walk. Returns the state with the accepted path committed and the new tokens (the
+    accepted draft tokens, then the bonus token, the next root)."""
+    tree = build_tree(draft_fn(context_ids, n), budget, root=context_ids[-1], top_k=1 if chain else None)
+    logits, nodes = tree_forward(weights, cfg, state, tree.tokens, tree.parents)
+    accepted, bonus = walk(tree, logits, sampler)
+    return commit(state, nodes, accepted), [tree.tokens[a] for a in accepted[1:]] + [bonus]
+
+
 def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int,
                          draft_fn: DraftFn, budget: int, sampling: SamplingParams = GREEDY,
                          eos_token_id: int | None = None, depth: int = 15, chain: bool = False) -> list[int]:
@@ -31,11 +53,7 @@ def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequenc
     out = [sampler(prefill(weights, cfg, prompt_ids, state)[-1])]
     while out[-1] != eos_token_id and len(out) < max_new_tokens:
         n = min(depth, max_new_tokens - len(out) - 1)  # a round emits at most n + 1 tokens
-        tree = build_tree(draft_fn([*prompt_ids, *out], n), budget, root=out[-1], top_k=1 if chain else None)
-        logits, nodes = tree_forward(weights, cfg, state, tree.tokens, tree.parents)
-        accepted, bonus = walk(tree, logits, sampler)
-        state = commit(state, nodes, accepted)
-        new = [tree.tokens[a] for a in accepted[1:]] + [bonus]
+        state, new = speculative_round(weights, cfg, state, [*prompt_ids, *out], n, draft_fn, budget, sampler, chain)
         if eos_token_id in new:
             new = new[:new.index(eos_token_id) + 1]
         out += new
