@@ -13,9 +13,7 @@ from typing import Callable
 from ..model.draft import load_draft
 from ..model.tokenizer import Tokenizer
 from ..model.weights import LazyWeights, open_weights
-from ..reference.dflash import dflash_draft_fn
 from ..spec import DDTreeTuning, load_spec
-from ..spec_decode.decode import Speculation
 from .base import Engine
 
 
@@ -68,6 +66,8 @@ def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | 
     folder = tokenizer or (Path(model).parent if str(model).endswith(".gguf") else weights.dir)
     engine = BACKENDS[backend](weights, max_context, spec)
     if draft is not None:
+        from ..reference.dflash import dflash_draft_fn  # here: spec_decode imports the engine's sampler
+        from ..spec_decode.decode import Speculation
         draft_cfg, draft_weights = load_draft(draft, weights.config)
         budget = budget or (load_spec(spec).tuning.ddtree.budget if spec else DDTreeTuning.budget)
         engine.speculation = Speculation(dflash_draft_fn(draft_weights, engine.weights, draft_cfg, weights.config),

@@ -25,6 +25,19 @@ class ConfigError(ValueError):
     """A model config that cannot be used: names the source and the field."""
 
 
+def read_config_json(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the file, its JSON) for a config.json or the folder holding one; a clear ConfigError otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return path, json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int
@@ -170,15 +183,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        path, data = read_config_json(path)
         cfg = cls.from_hf_dict(data, source=str(path))
         if cfg.name == "qwen3.5":
             cfg = replace(cfg, name=path.parent.name if path.name == "config.json" else path.name.removesuffix(".json").removesuffix(".config"))

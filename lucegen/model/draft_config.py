@@ -5,13 +5,12 @@ config.json is a Qwen3 config plus `block_size` and `dflash_config: {target_laye
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lucegen.model.config import ConfigError, ModelConfig
+from lucegen.model.config import ConfigError, ModelConfig, read_config_json
 
 
 @dataclass(frozen=True)
@@ -67,15 +66,7 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DraftConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        path, data = read_config_json(path)
         return cls.from_hf_dict(data, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
