@@ -2,15 +2,11 @@
 target and a tiny random DFlash draft give the same greedy text (and the same seeded samples) as no draft."""
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from dataclasses import replace
 
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from safetensors.numpy import load_file, save_file
 
 from lucegen.cli import main
@@ -23,6 +19,7 @@ from lucegen.model.draft_config import tiny_draft_config
 from lucegen.reference.dflash import random_draft_weights
 from lucegen.serve.app import create_app
 from lucegen.spec_decode import Speculation, oracle_draft
+from serving import running
 
 TARGET = tiny_config()
 DRAFT = tiny_draft_config(TARGET)
@@ -77,32 +74,16 @@ def test_accepted_rounds_feed_the_same_loop(checkpoint):
     assert (cut.text, cut.finish_reason) == (want.text[:want.text.find(stop)], "stop")
 
 
-def serve(engine, tokenizer):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return uv, thread, sock.getsockname()[1]
-
-
 def test_server_with_a_draft_answers_as_without(checkpoint, draft):
     messages = [{"role": "user", "content": "Hello there!"}]
     answers = []
     for options in ({}, {"draft": draft}):
-        uv, thread, port = serve(*load_model(checkpoint, **options))
-        try:
+        engine, tokenizer = load_model(checkpoint, **options)
+        with running(create_app(engine, tokenizer, "tiny")) as port:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
                                    timeout=60)
             r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
             answers.append((r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens))
-        finally:
-            uv.should_exit = True
-            thread.join(10)
     assert answers[0] == answers[1] and answers[0][0]
 
 

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from lucegen import reference
 from lucegen.engine import load_model
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.serve.app import create_app
+from serving import free_socket, running
 
 KEY = "test-key"
 NAME = "tiny-test"
@@ -64,30 +64,14 @@ class Spy:
         return self.engine.decode(token)
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint):
     engine, tokenizer = load_model(checkpoint)
     spy = Spy(engine)
-    sock = free_socket()
-    uv = uvicorn.Server(uvicorn.Config(create_app(spy, tokenizer, NAME, api_key=KEY), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = sock.getsockname()[1]
-    weights = {name: np.asarray(w, np.float32) for name, w in engine.weights.items()}
-    yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}", spy=spy, tokenizer=tokenizer,
-                          weights=weights, config=engine.config)
-    uv.should_exit = True
-    thread.join(10)
+    with running(create_app(spy, tokenizer, NAME, api_key=KEY)) as port:
+        weights = {name: np.asarray(w, np.float32) for name, w in engine.weights.items()}
+        yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}", spy=spy, tokenizer=tokenizer,
+                              weights=weights, config=engine.config)
 
 
 def client(server, key=KEY) -> openai.OpenAI:
