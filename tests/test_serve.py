@@ -1,5 +1,6 @@
-"""`lucegen serve` end to end: a real server on 127.0.0.1 (uvicorn in a thread, the numpy engine on a tiny random
-checkpoint) driven by the official openai client, raw HTTP for malformed requests, and the CLI in a subprocess."""
+"""`lucegen serve` end to end: a real server on 127.0.0.1 (uvicorn in a thread; the numpy engine, and the cuda
+engine where there is a GPU, on a tiny random checkpoint) driven by the official openai client, raw HTTP for
+malformed requests, and the CLI in a subprocess."""
 from __future__ import annotations
 
 import http.client
@@ -21,6 +22,7 @@ from lucegen import reference
 from lucegen.engine import load_model
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
+from lucegen.model.weights import open_weights
 from lucegen.serve.app import create_app
 from serving import free_socket, running
 
@@ -64,12 +66,14 @@ class Spy:
         return self.engine.decode(token)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    engine, tokenizer = load_model(checkpoint)
+@pytest.fixture(scope="module", params=["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
+def server(checkpoint, request):
+    """The server on each backend: numpy everywhere, cuda (the decode megakernel) where there is a GPU."""
+    engine, tokenizer = load_model(checkpoint, backend=request.param)
     spy = Spy(engine)
     with running(create_app(spy, tokenizer, NAME, api_key=KEY)) as port:
-        weights = {name: np.asarray(w, np.float32) for name, w in engine.weights.items()}
+        weights = {name: np.asarray(w, np.float32)
+                   for name, w in open_weights(checkpoint).load_all(progress=False).items()}
         yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}", spy=spy, tokenizer=tokenizer,
                               weights=weights, config=engine.config)
 
