@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the lab GPU run does, in one call: GPU tests, HF parity, benchmarks. Logs and results go to $OUT.
-#   LUCEGEN_COMMIT=<sha> OUT=<dir> bash tools/gpu_check.sh [stage ...]   (stages: tests parity bench; default all)
+#   LUCEGEN_COMMIT=<sha> OUT=<dir> bash tools/gpu_check.sh [stage ...]   (stages: tests parity bench demo;
+#   default all)
 # Then, here: append $OUT/results.jsonl to results/<gpu>.jsonl and run tools/results_table.py --write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ if compgen -G ".wheels/*.whl" >/dev/null; then   # packages the GPU image lacks 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-stages=${*:-tests parity bench}
+stages=${*:-tests parity bench demo}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
     | tee "$OUT/nvidia-smi.txt"
@@ -27,6 +28,8 @@ for stage in $stages; do
                     python3 -m lucegen.cli bench $suite --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/bench-$suite.txt"
                     status=$((status | ${PIPESTATUS[0]}))
                 done ;;
+        demo)   bash tools/demo.sh cuda 2>&1 | tee "$OUT/demo-cuda.txt"   # the README's commands on the GPU backend
+                status=$((status | ${PIPESTATUS[0]})) ;;
         *)      echo "unknown stage $stage"; status=1 ;;
     esac
 done
