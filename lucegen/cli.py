@@ -98,8 +98,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.model or not args.set:
             print("lucegen bench prompts: --set and --model are required", file=sys.stderr)
             return 2
-        prompts.run(rec, args.set, args.model, args.mode, args.backend, draft=args.draft, budget=args.budget,
-                    limit=args.limit, max_tokens=args.tokens)
+        try:
+            prompts.run(rec, args.set, args.model, args.mode, args.backend, draft=args.draft, budget=args.budget,
+                        limit=args.limit, max_tokens=args.tokens)
+        except ValueError as e:  # a bad option, model or draft: the message names it
+            print(f"lucegen bench prompts: {e}", file=sys.stderr)
+            return 2
     print(f"results appended to {rec.out}")
     return 0
 

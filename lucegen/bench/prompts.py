@@ -95,7 +95,8 @@ def run(rec: Recorder, set_name: str, model: str, mode: str = "ar", backend: str
             g = generate(engine, tokenizer, ids, n, GREEDY)
             totals[mode].add(g)
             equal += g.token_ids == ar.token_ids
-            line += f" {g.decode_tps:>12.1f} {g.tokens_per_pass:>8.2f} {'yes' if g.token_ids == ar.token_ids else 'NO':>5}"
+            same = "yes" if g.token_ids == ar.token_ids else "NO"
+            line += f" {g.decode_tps:>12.1f} {g.tokens_per_pass:>8.2f} {same:>5}"
         print(line)
     ar = totals["ar"]
     model_name = f"{name} {set_name}"
