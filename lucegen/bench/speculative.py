@@ -6,7 +6,8 @@
     oracle   the target's greedy continuation is recorded (autoregressive: ar tok/s), then drafted back by an
              oracle with an acceptance profile: right for a-1 positions a round, then the true token out of its top,
              so every round accepts a tokens (a in ACCEPT_LENGTHS, the bonus token included). End-to-end tok/s of
-             DDTree and of the top-1 chain, against the limit a x ar tok/s (a target pass costing one decode step)
+             DDTree and of the top-1 chain, against the limit a x ar tok/s (a target pass costing one decode step),
+             each run right after an autoregressive one that its speedup and limit are taken from
     budget   a noisy oracle (the true token first with probability SWEEP_ACCURACY, else second) under DDTree trees
              of BUDGETS nodes: accepted length and tok/s per budget
 
@@ -36,12 +37,6 @@ TOKENS = 64
 BUDGET = DDTreeTuning.budget  # the specs' default
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 GREEDY = SamplingParams(temperature=0)
-
-
-def _median_run(fn: Callable[[], Generation], repeat: int) -> Generation:
-    """The run of median decode rate among `repeat` runs of fn."""
-    runs = sorted((fn() for _ in range(repeat)), key=lambda g: g.decode_tps)
-    return runs[len(runs) // 2]
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -102,24 +97,32 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
     def gen() -> Generation:
         return generate(engine, tokenizer, prompt_ids, tokens, GREEDY, ignore_eos=True)
 
-    ar = _median_run(gen, repeat)
+    runs = sorted((gen() for _ in range(repeat)), key=lambda g: g.decode_tps)
+    ar = runs[repeat // 2]
     target = ar.token_ids
     rec.record("ar_tok_s", name, ar.decode_tps, "tok/s", None, tokens=len(target), prompt_tokens=len(prompt_ids))
     if not hasattr(engine, "speculate"):
         print(f"  {backend} engine has no speculate(): speculative suites skipped")
         return
 
-    def speculative(draft_fn, tree_budget: int, chain: bool = False, depth: int = DEPTH) -> Generation:
-        engine.speculation = Speculation(draft_fn, depth, tree_budget, chain)
-        try:
-            return _median_run(gen, repeat)
-        finally:
-            engine.speculation = None
-
-    def record(metric: str, g: Generation, tree_budget: int, limit: float | None, **extra) -> None:
-        rec.record(metric, name, g.decode_tps, "tok/s", limit, accepted_length=round(g.tokens_per_pass, 3),
-                   speedup=round(g.decode_tps / ar.decode_tps, 3), budget=tree_budget,
-                   greedy_equal=g.token_ids == target, ar_tok_s=round(ar.decode_tps, 3), **extra)
+    def speculative(metric: str, draft_fn, tree_budget: int, chain: bool = False, limit_al: float | None = None,
+                    **extra) -> None:
+        """Runs with the draft, each after an autoregressive run (the rate they are compared with: load on the
+        machine moves both alike); limit: limit_al (else the measured accepted length) x that rate."""
+        speculation = Speculation(draft_fn, DEPTH, tree_budget, chain)
+        pairs = []
+        for _ in range(repeat):
+            plain = gen()
+            engine.speculation = speculation
+            try:
+                pairs.append((plain.decode_tps, gen()))
+            finally:
+                engine.speculation = None
+        ar_tps = statistics.median(p[0] for p in pairs)
+        g = sorted((p[1] for p in pairs), key=lambda g: g.decode_tps)[repeat // 2]
+        rec.record(metric, name, g.decode_tps, "tok/s", (limit_al or g.tokens_per_pass) * ar_tps,
+                   accepted_length=round(g.tokens_per_pass, 3), speedup=round(g.decode_tps / ar_tps, 3),
+                   budget=tree_budget, greedy_equal=g.token_ids == target, ar_tok_s=round(ar_tps, 3), **extra)
         if g.token_ids != target:
             print(f"  {metric}: the output differs from the autoregressive one (speculative decoding must be "
                   f"lossless)")
@@ -129,9 +132,9 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
     for a in accept_lengths:
         draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
         for mode in ("ddtree", "chain"):
-            record(f"{mode}_tok_s_al{a}", speculative(draft_fn, budget, chain=mode == "chain"), budget,
-                   a * ar.decode_tps, draft=f"oracle, {a - 1} right a round")
+            speculative(f"{mode}_tok_s_al{a}", draft_fn, budget, mode == "chain", a,
+                        draft=f"oracle, {a - 1} right a round")
     for b in budgets:
-        g = speculative(oracle_draft(target, len(prompt_ids), vocab, accuracy=SWEEP_ACCURACY, seed=1), b)
-        record(f"ddtree_tok_s_b{b}", g, b, g.tokens_per_pass * ar.decode_tps,
-               draft=f"oracle, right with probability {SWEEP_ACCURACY}, else second")
+        speculative(f"ddtree_tok_s_b{b}", oracle_draft(target, len(prompt_ids), vocab, accuracy=SWEEP_ACCURACY,
+                                                       seed=1), b,
+                    draft=f"oracle, right with probability {SWEEP_ACCURACY}, else second")
