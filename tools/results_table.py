@@ -52,12 +52,12 @@ def table(path: Path) -> str:
 # ---- plots: each returns False when the rows hold nothing for it ----------------------------------------------------
 
 def plot_speculative(rows: list[dict], ax) -> bool:
-    by_model: dict[str, dict[str, list[tuple[int, float, float | None]]]] = {}
+    by_model: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
         m = ACCEPT.match(r["metric"])
         if m:
             by_model.setdefault(r["model"], {}).setdefault(m[1], []).append(
-                (r.get("accepted_length", int(m[2])), r["value"], r.get("limit")))
+                (r.get("accepted_length", int(m[2])), r["value"]))
     sets = [r for r in rows if PROMPT_SET.match(r["metric"]) and "accepted_length" in r]
     if not by_model and not sets:
         return False
@@ -65,13 +65,13 @@ def plot_speculative(rows: list[dict], ax) -> bool:
         for mode, points in sorted(modes.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{mode}, {model}")
-        limit = sorted(p for pts in modes.values() for p in pts if p[2])
-        if limit:
-            ax.plot([p[0] for p in limit], [p[2] for p in limit], ":", color="gray",
-                    label=f"limit (accepted length x ar), {model}")
+    lengths = [p[0] for modes in by_model.values() for points in modes.values() for p in points]
     for r in rows:
         if r["metric"] == "ar_tok_s" and r["model"] in by_model:
             ax.axhline(r["value"], linestyle="--", color="black", linewidth=0.8, label=f"autoregressive, {r['model']}")
+            span = [1.0, max(lengths)]
+            ax.plot(span, [x * r["value"] for x in span], ":", color="gray",
+                    label=f"limit: accepted length x autoregressive, {r['model']}")
     for r in sets:
         ax.plot(r["accepted_length"], r["value"], "s", label=f"{r['metric'].removesuffix('_tok_s')}, {r['model']}")
     ax.set(xlabel="accepted length (tokens per target pass)", ylabel="tok/s", yscale="log",

@@ -15,6 +15,7 @@ Every number goes to results/<gpu>.jsonl through Recorder, with its limit where 
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 
@@ -52,24 +53,26 @@ def kind_bytes(layout: Layout) -> dict[str, int]:
 
 class HFDecoder:
     """HF transformers' Qwen3_5ForCausalLM (bf16, eager attention, random init) decoding greedily on the GPU; the
-    peer of the decode and energy suites. open() gives None without torch and transformers."""
+    peer of the decode and energy suites. open() gives None without torch and transformers. Where the
+    flash-linear-attention wheel is installed, transformers runs the DeltaNet layers through it (the label says so)."""
 
-    label = "transformers Qwen3_5ForCausalLM bf16 eager"
-
-    def __init__(self, torch, model):
-        self.torch, self.model = torch, model
+    def __init__(self, torch, model, label: str):
+        self.torch, self.model, self.label = torch, model, label
 
     @classmethod
     def open(cls, cfg: ModelConfig) -> "HFDecoder | None":
         try:
             import torch
+            import transformers
             from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
         except ImportError:
             return None
+        fla = " + fla" if importlib.util.find_spec("fla") else ""
         text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
         with torch.device("cuda"):
             model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager"))
-        return cls(torch, model.to(torch.bfloat16).eval())
+        return cls(torch, model.to(torch.bfloat16).eval(),
+                   f"transformers {transformers.__version__} Qwen3_5ForCausalLM bf16 eager{fla}")
 
     def decode(self, n: int = HF_TOKENS) -> None:
         """A 1-token prompt, then n greedy steps; waits for the GPU."""
@@ -177,5 +180,5 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
         hf_tok_s = hf.tok_s()
         hf.close()
         rec.record("hf_tg_tok_s", name, hf_tok_s, "tok/s", None, megakernel_speedup=round(tok_s / hf_tok_s, 1),
-                   peer=HFDecoder.label)
+                   peer=hf.label)
     engine.free()

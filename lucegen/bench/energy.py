@@ -16,6 +16,7 @@ import importlib.util
 import time
 from typing import Callable
 
+from ..runtime import Stream
 from .decode import HF_TOKENS, TG, HFDecoder, Setup
 from .results import Recorder
 
@@ -45,7 +46,6 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: 
     if importlib.util.find_spec("pynvml") is None:
         print("energy: pynvml (pip install nvidia-ml-py) is not installed; nothing measured")
         return
-    from ..runtime import Stream
     stream = Stream()
     setup = Setup.open(model, None, TG + 8)
     rec = recorder or Recorder(gpu=setup.spec.name)
@@ -71,5 +71,5 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: 
     hf.close()
     hf_tokens = calls * HF_TOKENS  # as in the decode suite's HF rate: the steps after a 1-token prompt
     rec.record("tok_per_joule", setup.name, hf_tokens / joules, "tok/J", None, watts=round(joules / elapsed, 1),
-               tok_s=round(hf_tokens / elapsed, 1), peer=HFDecoder.label,
+               tok_s=round(hf_tokens / elapsed, 1), peer=hf.label,
                megakernel_ratio=round(tok_j * joules / hf_tokens, 1))
