@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..engine.generate import Generation, generate
+from ..engine.loader import model_name
 from ..engine.sampling import Sampler, SamplingParams
 from ..reference.model import State, prefill
 from ..spec import DDTreeTuning
@@ -49,7 +50,7 @@ def _median_ms(fn: Callable[[], object], repeat: int) -> float:
 
 
 def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int], draft: Speculation,
-          repeat: int) -> None:
+          label: str, repeat: int) -> None:
     """Per-part cost of one round after the prompt and the first output token, on the numpy backend's functions."""
     if not hasattr(engine, "weights") or not hasattr(engine, "speculate"):
         print(f"  per-part costs: the numpy backend's functions only; {name} skipped")
@@ -72,7 +73,7 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
              "verify": _median_ms(lambda: tree_forward(weights, cfg, committed, tree.tokens, tree.parents), repeat),
              "walk": _median_ms(lambda: walk(tree, logits, Sampler(GREEDY)), repeat),
              "commit": _median_ms(lambda: commit(committed, nodes, accepted), repeat)}
-    extra = dict(budget=budget, nodes=len(tree.tokens), depth=depth, accepted=len(accepted) - 1)
+    extra = dict(budget=budget, nodes=len(tree.tokens), depth=depth, accepted=len(accepted) - 1, draft=label)
     rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))
     for part, ms in costs.items():
         # the verify pass's limit: one decode step (a tree pass bound by the same weight reads)
@@ -127,8 +128,9 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
             print(f"  {metric}: the output differs from the autoregressive one (speculative decoding must be "
                   f"lossless)")
 
-    parts(rec, engine, name, prompt_ids, target,
-          real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget), repeat)
+    parts(rec, engine, f"{name} + draft {model_name(draft)}" if real_draft else name, prompt_ids, target,
+          real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget),
+          f"DFlash {draft}" if real_draft else "oracle, 7 right a round", repeat)
     for a in accept_lengths:
         draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
         for mode in ("ddtree", "chain"):
