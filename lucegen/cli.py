@@ -69,13 +69,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
-    from .bench import gemv, prefill
+    from .bench.engines import bench_device
     from .bench.results import Recorder
-    from .runtime import device_info
-    rec = Recorder(gpu=device_info().name, out=Path(args.results) if args.results else None)
+    generation = args.suite in ("speculative", "prompts")  # on any engine backend; the others on the GPU
+    rec = Recorder(gpu=bench_device(args.backend if generation else "cuda"),
+                   out=Path(args.results) if args.results else None)
     if args.suite == "gemv":
+        from .bench import gemv
         gemv.run(rec, tune=args.tune)
     elif args.suite == "prefill":
+        from .bench import prefill
         prefill.run(rec)
     elif args.suite == "qgemv":
         from .bench import qgemv
@@ -83,6 +86,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.suite == "decode":
         from .bench import decode
         decode.run(rec)
+    elif args.suite == "energy":
+        from .bench import energy
+        energy.run(rec)
+    elif args.suite == "speculative":
+        from .bench import speculative
+        speculative.run(rec, args.model or "tiny", args.backend, args.draft, args.budget or speculative.BUDGET,
+                        args.tokens or speculative.TOKENS)
+    elif args.suite == "prompts":
+        from .bench import prompts
+        if not args.model or not args.set:
+            print("lucegen bench prompts: --set and --model are required", file=sys.stderr)
+            return 2
+        try:
+            prompts.run(rec, args.set, args.model, args.mode, args.backend, draft=args.draft, budget=args.budget,
+                        limit=args.limit, max_tokens=args.tokens)
+        except ValueError as e:  # a bad option, model or draft: the message names it
+            print(f"lucegen bench prompts: {e}", file=sys.stderr)
+            return 2
     print(f"results appended to {rec.out}")
     return 0
 
@@ -99,9 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("specs", help="list the chip specs").set_defaults(fn=cmd_specs)
     sub.add_parser("doctor", help="check NVRTC, headers, driver and GPU").set_defaults(fn=cmd_doctor)
     bench = sub.add_parser("bench", help="benchmarks on this machine's GPU; results go to results/<gpu>.jsonl")
-    bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode"])
+    bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode", "energy", "speculative", "prompts"])
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
     bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
+    g = bench.add_argument_group("speculative and prompts (any engine backend)")
+    g.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy (records go to "
+                                                     "results/cpu.jsonl)")
+    g.add_argument("--model", default=None, help="checkpoint folder, .gguf or hub id; 'tiny' makes the tiny "
+                                                 "test checkpoint (default for speculative)")
+    g.add_argument("--draft", default=None, help="DFlash draft folder (prompts: needed by --mode chain/ddtree; "
+                                                 "speculative: its per-part cost)")
+    g.add_argument("--budget", type=int, default=None, help="DDTree nodes per target pass (default 22)")
+    g.add_argument("--tokens", type=int, default=None, help="output tokens per generation (speculative: default "
+                                                            "64; prompts: at most this, else each prompt's)")
+    g.add_argument("--set", choices=["humaneval", "gsm8k", "math500"], default=None, help="prompts: the set")
+    g.add_argument("--mode", choices=["ar", "chain", "ddtree"], default="ar", help="prompts: decoding mode")
+    g.add_argument("--limit", type=int, default=None, help="prompts: the first N prompts of the set only")
     bench.set_defaults(fn=cmd_bench)
     register_run_serve(sub)  # run, serve
     register_plan(sub)  # plan

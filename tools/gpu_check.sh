@@ -2,6 +2,7 @@
 # Everything the lab GPU run does, in one call: GPU tests, HF parity, benchmarks. Logs and results go to $OUT.
 #   LUCEGEN_COMMIT=<sha> OUT=<dir> bash tools/gpu_check.sh [stage ...]   (stages: tests parity bench demo;
 #   default all)
+#   LUCEGEN_CHECKPOINT=<snapshot dir> [LUCEGEN_DRAFT=<DFlash draft dir>] add the prompt-set runner to the bench stage
 # Then, here: append $OUT/results.jsonl to results/<gpu>.jsonl and run tools/results_table.py --write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +25,13 @@ for stage in $stages; do
                 status=$((status | ${PIPESTATUS[0]})) ;;
         parity) python3 tools/hf_parity.py tiny ratio3 qwen3.5-0.8b --out "$OUT" 2>&1 | tee "$OUT/hf-parity.txt"
                 status=$((status | ${PIPESTATUS[0]})) ;;
-        bench)  for suite in gemv qgemv decode prefill; do
-                    python3 -m lucegen.cli bench $suite --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/bench-$suite.txt"
+        bench)  # speculative: the cuda engine on the tiny checkpoint (its ar rate; the speculative parts once the
+                # cuda engine has speculate()); prompts: only with a real checkpoint (and draft) on the machine
+                for suite in gemv qgemv decode energy prefill "speculative --model tiny" \
+                             ${LUCEGEN_CHECKPOINT:+"prompts --set humaneval --model $LUCEGEN_CHECKPOINT --limit 3 \
+                               ${LUCEGEN_DRAFT:+--draft $LUCEGEN_DRAFT --mode ddtree}"}; do
+                    python3 -m lucegen.cli bench $suite --results "$OUT/results.jsonl" 2>&1 \
+                        | tee "$OUT/bench-${suite%% *}.txt"
                     status=$((status | ${PIPESTATUS[0]}))
                 done ;;
         demo)   bash tools/demo.sh cuda 2>&1 | tee "$OUT/demo-cuda.txt"   # the README's commands on the GPU backend

@@ -4,18 +4,20 @@
                  launches after a warm-up: tok/s, time per token, achieved bandwidth (weight bytes per token x tok/s)
                  against the read ceiling measured in the same run (and the spec's)
     pp520        520 prompt tokens through the decode path in one launch (there is no prefill kernel in this path)
-    tok/J        tg128 launches back to back for several seconds, energy from NVML's total-energy counter
     phases       where a token's time goes: tg128 with one phase kind left out (work and weight reads; barriers stay)
                  gives that kind's share; every kind left out gives the barriers alone; prefetch off gives what the
                  L2 prefetch of state and KV is worth
     HF           transformers' Qwen3_5ForCausalLM (bf16, eager) decoding greedily in the same run, when torch and
                  transformers import
 
-Every number goes to results/<gpu>.jsonl through Recorder, with its limit where one applies.
+Every number goes to results/<gpu>.jsonl through Recorder, with its limit where one applies. Energy (tok/J) is the
+`energy` suite (bench/energy.py), over the same engine and the same HF peer.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,13 +25,12 @@ from ..engine.decode import DecodeEngine
 from ..kernels.megakernel import PHASE_KINDS, Layout
 from ..model.config import LINEAR, ModelConfig, load_config
 from ..runtime import Stream
-from ..spec import spec_for_current_device
+from ..spec import ChipSpec, spec_for_current_device
 from .gemv import measure_read_gbs
 from .results import Recorder
 from .timing import median_ms
 
 TG, PP = 128, 520
-ENERGY_SECONDS = 6.0
 HF_TOKENS = 32
 
 
@@ -50,69 +51,91 @@ def kind_bytes(layout: Layout) -> dict[str, int]:
     return out
 
 
-def _hf_tok_s(cfg: ModelConfig) -> float | None:
-    """HF transformers' greedy decode (bf16, eager attention, random init) in tok/s; None without torch."""
-    try:
-        import torch
-        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    except ImportError:
-        return None
-    text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
-    with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager")).to(torch.bfloat16).eval()
+class HFDecoder:
+    """HF transformers' Qwen3_5ForCausalLM (bf16, eager attention, random init) decoding greedily on the GPU; the
+    peer of the decode and energy suites. open() gives None without torch and transformers. Where the
+    flash-linear-attention wheel is installed, transformers runs the DeltaNet layers through it (the label says so)."""
 
-    def decode(n: int) -> None:
-        ids = torch.tensor([[1]], device="cuda")
-        out = model(input_ids=ids, use_cache=True)
-        for _ in range(n):
-            ids = out.logits[:, -1:].argmax(-1)
-            out = model(input_ids=ids, past_key_values=out.past_key_values, use_cache=True)
+    def __init__(self, torch, model, label: str):
+        self.torch, self.model, self.label = torch, model, label
 
-    with torch.no_grad():
-        decode(4)
+    @classmethod
+    def open(cls, cfg: ModelConfig) -> "HFDecoder | None":
+        try:
+            import torch
+            import transformers
+            from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        except ImportError:
+            return None
+        fla = " + fla" if importlib.util.find_spec("fla") else ""
+        text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
+        with torch.device("cuda"):
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager"))
+        return cls(torch, model.to(torch.bfloat16).eval(),
+                   f"transformers {transformers.__version__} Qwen3_5ForCausalLM bf16 eager{fla}")
+
+    def decode(self, n: int = HF_TOKENS) -> None:
+        """A 1-token prompt, then n greedy steps; waits for the GPU."""
+        torch, model = self.torch, self.model
+        with torch.no_grad():
+            ids = torch.tensor([[1]], device="cuda")
+            out = model(input_ids=ids, use_cache=True)
+            for _ in range(n):
+                ids = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=ids, past_key_values=out.past_key_values, use_cache=True)
         torch.cuda.synchronize()
+
+    def tok_s(self) -> float:
+        self.decode(4)
         t0 = time.perf_counter()
-        decode(HF_TOKENS)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-    del model
-    torch.cuda.empty_cache()
-    return HF_TOKENS / seconds
+        self.decode(HF_TOKENS)
+        return HF_TOKENS / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        del self.model
+        self.torch.cuda.empty_cache()
 
 
-def _energy_j(seconds: float, run) -> tuple[float, int, float] | None:
-    """(joules, launches, seconds) over launches of `run` back to back for at least `seconds`; None without NVML."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        e0, t0, n = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            run()
-            n += 1
-        elapsed = time.perf_counter() - t0
-        return (pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) - e0) / 1e3, n, elapsed
-    finally:
-        pynvml.nvmlShutdown()
+@dataclass
+class Setup:
+    """The decode megakernel on random weights of the model's real shapes, and its bandwidth limit."""
+    spec: ChipSpec
+    cfg: ModelConfig
+    engine: DecodeEngine
+    read_gbs: float  # the read ceiling the limit is taken at
+    per_token: int  # weight bytes read per token
+    name: str
+
+    @property
+    def limit(self) -> float:
+        """tok/s if every token only streamed its weights at read_gbs."""
+        return self.read_gbs * 1e9 / self.per_token
+
+    @classmethod
+    def open(cls, model: str, stream: Stream | None, max_context: int) -> "Setup":
+        """With a stream, the read ceiling is measured now; without one, the spec's is taken."""
+        spec = spec_for_current_device()
+        cfg = load_config(model)
+        read_gbs = measure_read_gbs(spec, stream) if stream else spec.chip.read_gbs
+        print(f"spec {spec.name}: read ceiling {read_gbs:.0f} GB/s {'measured now' if stream else 'of the spec'} "
+              f"({spec.chip.read_gbs:.0f} in the spec)")
+        engine = DecodeEngine(None, cfg, spec, max_context=max_context)
+        lay = engine.kernel.layout
+        setup = cls(spec, cfg, engine, read_gbs, lay.weight_bytes_per_token(), f"{cfg.name} bf16")
+        print(f"megakernel: {lay.blocks} blocks x {lay.threads} threads, ring {lay.slots} x {lay.slot_bytes} B, "
+              f"{setup.per_token / 1e9:.3f} GB of weights per token: limit {setup.limit:.0f} tok/s at "
+              f"{read_gbs:.0f} GB/s")
+        return setup
 
 
 def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
-    spec = spec_for_current_device()
-    cfg = load_config(model)
-    rec = recorder or Recorder(gpu=spec.name)
     stream = Stream()
-    read_gbs = measure_read_gbs(spec, stream)
-    print(f"spec {spec.name}: read ceiling {read_gbs:.0f} GB/s measured now ({spec.chip.read_gbs:.0f} in the spec)")
-    engine = DecodeEngine(None, cfg, spec, max_context=PP + TG + 8)
+    setup = Setup.open(model, stream, PP + TG + 8)
+    spec, cfg, engine, read_gbs, per_token, limit = (setup.spec, setup.cfg, setup.engine, setup.read_gbs,
+                                                     setup.per_token, setup.limit)
     lay = engine.kernel.layout
-    per_token = lay.weight_bytes_per_token()
-    limit = read_gbs * 1e9 / per_token
-    print(f"megakernel: {lay.blocks} blocks x {lay.threads} threads, ring {lay.slots} x {lay.slot_bytes} B, "
-          f"{per_token / 1e9:.3f} GB of weights per token: limit {limit:.0f} tok/s at {read_gbs:.0f} GB/s")
-    name = f"{cfg.name} bf16"
+    rec = recorder or Recorder(gpu=spec.name)
+    name = setup.name
     rng = np.random.default_rng(0)
 
     def launch_ms(tokens, n_new=0, **kw) -> float:
@@ -132,15 +155,6 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
     ms_pp = launch_ms([int(t) for t in rng.integers(0, cfg.vocab_size, PP)])
     rec.record("pp520_tok_s", name, PP / (ms_pp * 1e-3), "tok/s", limit, path="decode megakernel, one step a token")
 
-    # tok/J over a sustained run
-    energy = _energy_j(ENERGY_SECONDS, lambda: (engine.enqueue([1], TG - 1, stream=stream), stream.synchronize()))
-    if energy is None:
-        print("  tok_per_joule: pynvml not installed, skipped")
-    else:
-        joules, launches, seconds = energy
-        rec.record("tok_per_joule", name, launches * TG / joules, "tok/J", None, watts=round(joules / seconds, 1),
-                   tok_s=round(launches * TG / seconds, 1), seconds=round(seconds, 2))
-
     # where the time goes: every token forced (a phase left out leaves no argmax to feed back)
     forced = [int(t) for t in rng.integers(0, cfg.vocab_size, TG)]
     base = launch_ms(forced) * 1e3 / TG
@@ -159,10 +173,12 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
     no_prefetch = launch_ms(forced, prefetch=False) * 1e3 / TG
     rec.record("prefetch_saves_us", name, no_prefetch - base, "us", None, without_prefetch_us=no_prefetch)
 
-    hf = _hf_tok_s(cfg)
+    hf = HFDecoder.open(cfg)
     if hf is None:
         print("  HF transformers: torch or transformers not installed, skipped")
     else:
-        rec.record("hf_tg_tok_s", name, hf, "tok/s", None, megakernel_speedup=round(tok_s / hf, 1),
-                   peer="transformers Qwen3_5ForCausalLM bf16 eager")
+        hf_tok_s = hf.tok_s()
+        hf.close()
+        rec.record("hf_tg_tok_s", name, hf_tok_s, "tok/s", None, megakernel_speedup=round(tok_s / hf_tok_s, 1),
+                   peer=hf.label)
     engine.free()

@@ -61,19 +61,24 @@ def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequenc
 
 
 def oracle_draft(target: Sequence[int], prompt_len: int, vocab_size: int, accuracy: float = 1.0,
-                 seed: int = 0) -> DraftFn:
+                 seed: int = 0, run: int | None = None) -> DraftFn:
     """A draft that knows the continuation target (tokens after the prompt): at each position it ranks the true
     token first with probability accuracy, else a random wrong token first (the true one second); the other
-    log-probs are random. Off the target's path (after a rejected guess) its guesses are simply random."""
+    log-probs are random. Off the target's path (after a rejected guess) its guesses are simply random.
+    run: only the first `run` positions of each call are guessed so; past them the true token ranks last, out of
+    any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus)."""
     rng = np.random.default_rng(seed)
 
     def draft(context: Sequence[int], n: int) -> np.ndarray:
-        lp = rng.normal(size=(n, vocab_size)) - 4
+        lp = np.minimum(rng.normal(size=(n, vocab_size)) - 4, -2.0)  # below the guesses' 0 and -1: ranks hold
         on_path = list(context[prompt_len:]) == list(target[:len(context) - prompt_len])
         for d in range(n):
             i = len(context) - prompt_len + d
             if not on_path or i >= len(target):
                 break
+            if run is not None and d >= run:
+                lp[d, target[i]] = lp[d].min() - 1.0
+                continue
             wrong = (target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size
             first, second = (target[i], wrong) if rng.random() < accuracy else (wrong, target[i])
             lp[d, first], lp[d, second] = 0.0, -1.0

@@ -1,0 +1,75 @@
+"""Energy benchmark: tokens per joule of the decode path, from NVML's total-energy counter, with the watts drawn.
+
+The decode suite's engine (bench.decode.Setup: the megakernel on random weights of the real shapes) runs tg128
+launches back to back for ENERGY_SECONDS. Records:
+
+    tok_per_joule   tokens / joules; limit: the tokens per joule of the bandwidth limit's rate at the same power
+                    (what the same watts would give if every token only streamed its weights at the spec's read rate)
+    decode_watts    the mean power over the run; limit: the board's enforced power limit
+    HF              transformers (bench.decode.HFDecoder) decoding greedily for as long, when torch imports
+
+Without pynvml (the nvidia-ml-py package) the suite says so and records nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Callable
+
+from ..runtime import Stream
+from .decode import HF_TOKENS, TG, HFDecoder, Setup
+from .results import Recorder
+
+ENERGY_SECONDS = 6.0
+
+
+def measure(seconds: float, run: Callable[[], None]) -> tuple[float, int, float, float]:
+    """(joules, calls, seconds, enforced power limit in watts) over calls of `run` (which waits for the GPU)
+    back to back for at least `seconds`."""
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        run()  # warm
+        e0, t0, n = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            run()
+            n += 1
+        elapsed = time.perf_counter() - t0
+        joules = (pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) - e0) / 1e3  # mJ
+        return joules, n, elapsed, pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3  # mW
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: float = ENERGY_SECONDS) -> None:
+    if importlib.util.find_spec("pynvml") is None:
+        print("energy: pynvml (pip install nvidia-ml-py) is not installed; nothing measured")
+        return
+    stream = Stream()
+    setup = Setup.open(model, None, TG + 8)
+    rec = recorder or Recorder(gpu=setup.spec.name)
+    engine = setup.engine
+
+    def tg128() -> None:
+        engine.enqueue([1], TG - 1, stream=stream)
+        stream.synchronize()
+
+    joules, launches, elapsed, power_limit = measure(seconds, tg128)
+    tokens, watts = launches * TG, joules / elapsed
+    tok_j = tokens / joules
+    rec.record("tok_per_joule", setup.name, tok_j, "tok/J", setup.limit / watts, watts=round(watts, 1),
+               tok_s=round(tokens / elapsed, 1), seconds=round(elapsed, 2), j_per_token=round(joules / tokens, 5))
+    rec.record("decode_watts", setup.name, watts, "W", power_limit, tok_s=round(tokens / elapsed, 1))
+    engine.free()
+
+    hf = HFDecoder.open(setup.cfg)
+    if hf is None:
+        print("  HF transformers: torch or transformers not installed, skipped")
+        return
+    joules, calls, elapsed, _ = measure(seconds, hf.decode)
+    hf.close()
+    hf_tokens = calls * HF_TOKENS  # as in the decode suite's HF rate: the steps after a 1-token prompt
+    rec.record("tok_per_joule", setup.name, hf_tokens / joules, "tok/J", None, watts=round(joules / elapsed, 1),
+               tok_s=round(hf_tokens / elapsed, 1), peer=hf.label,
+               megakernel_ratio=round(tok_j * joules / hf_tokens, 1))

@@ -1,0 +1,142 @@
+"""Speculative decoding benchmark on any engine backend (lucegen.engine.base; speculate() where it has one).
+
+    parts    what one round costs, part by part (the numpy backend's functions): the draft, the DDTree build, the
+             target pass over the tree (verify, against one decode step: the limit a GPU verify aims at), the
+             acceptance walk and the commit
+    oracle   the target's greedy continuation is recorded (autoregressive: ar tok/s), then drafted back by an
+             oracle with an acceptance profile: right for a-1 positions a round, then the true token out of its top,
+             so every round accepts a tokens (a in ACCEPT_LENGTHS, the bonus token included). End-to-end tok/s of
+             DDTree and of the top-1 chain, against the limit a x ar tok/s (a target pass costing one decode step),
+             each run right after an autoregressive one that its speedup and limit are taken from
+    budget   a noisy oracle (the true token first with probability SWEEP_ACCURACY, else second) under DDTree trees
+             of BUDGETS nodes: accepted length and tok/s per budget
+
+Every output is checked against the autoregressive one (greedy_equal): speculative decoding is lossless. Models
+are named "<backend> <target>"; the headline is ddtree_tok_s_al8. Backends without speculate() (the cuda engine,
+for now) record the autoregressive rate and say what they skipped.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from ..engine.generate import Generation, generate
+from ..engine.loader import model_name
+from ..engine.sampling import Sampler, SamplingParams
+from ..reference.model import State, prefill
+from ..spec import DDTreeTuning
+from ..spec_decode import Speculation, build_tree, commit, oracle_draft, tree_forward, walk
+from .engines import open_engine
+from .results import Recorder
+
+ACCEPT_LENGTHS = (4, 6, 8, 10)
+BUDGETS = (2, 4, 8, 16, 32, 64)
+SWEEP_ACCURACY = 0.8
+DEPTH = 15  # draft positions per round (DFlash: block size 16 - 1)
+TOKENS = 64
+BUDGET = DDTreeTuning.budget  # the specs' default
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+GREEDY = SamplingParams(temperature=0)
+
+
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int], draft: Speculation,
+          label: str, repeat: int) -> None:
+    """Per-part cost of one round after the prompt and the first output token, on the numpy backend's functions."""
+    if not hasattr(engine, "weights") or not hasattr(engine, "speculate"):
+        print(f"  per-part costs: the numpy backend's functions only; {name} skipped")
+        return
+    weights, cfg = engine.weights, engine.config
+    committed = State()
+    prefill(weights, cfg, prompt_ids, committed)
+    context = [*prompt_ids, target[0]]
+    sampler = Sampler(GREEDY)
+    draft_fn, depth, budget = draft.draft_fn, draft.depth, draft.budget
+    logprobs = draft_fn(context, depth)
+    tree = build_tree(logprobs, budget, root=context[-1])
+    logits, nodes = tree_forward(weights, cfg, committed, tree.tokens, tree.parents)
+    accepted, _ = walk(tree, logits, sampler)
+    engine.reset()
+    engine.prefill(prompt_ids)
+    step_ms = _median_ms(lambda: engine.decode(target[0]), repeat * 4)
+    costs = {"draft": _median_ms(lambda: draft_fn(context, depth), repeat),
+             "tree": _median_ms(lambda: build_tree(logprobs, budget, root=context[-1]), repeat),
+             "verify": _median_ms(lambda: tree_forward(weights, cfg, committed, tree.tokens, tree.parents), repeat),
+             "walk": _median_ms(lambda: walk(tree, logits, Sampler(GREEDY)), repeat),
+             "commit": _median_ms(lambda: commit(committed, nodes, accepted), repeat)}
+    extra = dict(budget=budget, nodes=len(tree.tokens), depth=depth, accepted=len(accepted) - 1, draft=label)
+    rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))
+    for part, ms in costs.items():
+        # the verify pass's limit: one decode step (a tree pass bound by the same weight reads)
+        rec.record(f"spec_{part}_ms", name, ms, "ms", step_ms if part == "verify" else None, **extra)
+    print(f"  one round: {sum(costs.values()):.2f} ms = {sum(costs.values()) / step_ms:.1f} decode steps "
+          f"(tree of {len(tree.tokens)} nodes)")
+
+
+def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: str | None = None,
+        budget: int = BUDGET, tokens: int = TOKENS, accept_lengths: Sequence[int] = ACCEPT_LENGTHS,
+        budgets: Sequence[int] = BUDGETS, repeat: int = 3) -> None:
+    rec = recorder
+    if max(accept_lengths, default=1) - 1 > DEPTH:
+        raise ValueError(f"accepted lengths up to {DEPTH + 1} (draft depth {DEPTH}), got {max(accept_lengths)}")
+    engine, tokenizer, name = open_engine(model, backend, draft=draft, budget=budget if draft else None)
+    prompt_ids = tokenizer.encode(PROMPT)
+    real_draft = getattr(engine, "speculation", None)  # with --draft: its costs go into the per-part table
+    if real_draft:
+        engine.speculation = None
+    vocab = engine.config.vocab_size
+
+    def gen() -> Generation:
+        return generate(engine, tokenizer, prompt_ids, tokens, GREEDY, ignore_eos=True)
+
+    runs = sorted((gen() for _ in range(repeat)), key=lambda g: g.decode_tps)
+    ar = runs[repeat // 2]
+    target = ar.token_ids
+    rec.record("ar_tok_s", name, ar.decode_tps, "tok/s", None, tokens=len(target), prompt_tokens=len(prompt_ids))
+    if not hasattr(engine, "speculate"):
+        print(f"  {backend} engine has no speculate(): speculative suites skipped")
+        return
+
+    def speculative(metric: str, draft_fn, tree_budget: int, chain: bool = False, limit_al: float | None = None,
+                    **extra) -> None:
+        """Runs with the draft, each after an autoregressive run (the rate they are compared with: load on the
+        machine moves both alike); limit: limit_al (else the measured accepted length) x that rate."""
+        speculation = Speculation(draft_fn, DEPTH, tree_budget, chain)
+        pairs = []
+        for _ in range(repeat):
+            plain = gen()
+            engine.speculation = speculation
+            try:
+                pairs.append((plain.decode_tps, gen()))
+            finally:
+                engine.speculation = None
+        ar_tps = statistics.median(p[0] for p in pairs)
+        g = sorted((p[1] for p in pairs), key=lambda g: g.decode_tps)[repeat // 2]
+        rec.record(metric, name, g.decode_tps, "tok/s", (limit_al or g.tokens_per_pass) * ar_tps,
+                   accepted_length=round(g.tokens_per_pass, 3), speedup=round(g.decode_tps / ar_tps, 3),
+                   budget=tree_budget, greedy_equal=g.token_ids == target, ar_tok_s=round(ar_tps, 3), **extra)
+        if g.token_ids != target:
+            print(f"  {metric}: the output differs from the autoregressive one (speculative decoding must be "
+                  f"lossless)")
+
+    parts(rec, engine, f"{name} + draft {model_name(draft)}" if real_draft else name, prompt_ids, target,
+          real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget),
+          f"DFlash {draft}" if real_draft else "oracle, 7 right a round", repeat)
+    for a in accept_lengths:
+        draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
+        for mode in ("ddtree", "chain"):
+            speculative(f"{mode}_tok_s_al{a}", draft_fn, budget, mode == "chain", a,
+                        draft=f"oracle, {a - 1} right a round")
+    for b in budgets:
+        speculative(f"ddtree_tok_s_b{b}", oracle_draft(target, len(prompt_ids), vocab, accuracy=SWEEP_ACCURACY,
+                                                       seed=1), b,
+                    draft=f"oracle, right with probability {SWEEP_ACCURACY}, else second")
