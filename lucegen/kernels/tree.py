@@ -1,0 +1,318 @@
+"""Tree verify and commit kernels of speculative decoding (DDTree), per layer: numpy references, unit, launcher.
+
+A tree is N nodes in topological order: parents[n] < n, parents[0] = -1 (the root), depth[n] = depth of parents[n]
++ 1; node n holds the token at absolute position start + depth[n] and is computed as the decode step at that
+position after the committed sequence [0, start) and n's ancestors (lucegen.spec_decode.verify.tree_forward on the
+numpy backend). The kernels (templates/tree.cuh) are the decode step's device functions driven over the tree, so a
+1-node tree is the decode step (the layer driver uses them for plain decoding too) and a chain the chain verify.
+
+Per Gated DeltaNet layer: `deltanet` verifies (raw head outputs per node; the committed conv ring and state are only
+read), `deltanet_commit` replays the accepted path (its nodes' in-projection rows, a chain) into the committed state
+and ring. Per attention layer: `attention_kv` writes node n's K/V to cache row start + n, `attention` computes the
+gated outputs with the ancestor mask, `kv_commit` moves the accepted rows to start .. start + len - 1.
+Layouts as lucegen.engine.state: ring fp32 [K, conv_dim] (slot p % K: position p's raw input), recurrent state
+fp32 [Hv, dv, dk], caches bf16 [context, n_kv, head_dim].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..codegen.unit import KernelSig, KernelUnit
+from ..model.config import ModelConfig
+from ..reference.attention import causal_attention
+from ..reference.deltanet import causal_conv1d, recurrent_gated_delta_rule
+from ..reference.ops import apply_rope, rms_norm, rope_cos_sin, sigmoid, silu, softplus
+from ..spec import ChipSpec
+from .attention import split_qkv
+from .conv1d import ring_to_state
+from .megakernel import rope_inv_freq
+
+DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
+DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
+KV_THREADS = 128
+
+
+# ---- tree shape -------------------------------------------------------------------------------------------------
+def depths(parents: Sequence[int]) -> np.ndarray:
+    """depth [N] of a topologically ordered tree; a clear error for anything else."""
+    parents = [int(p) for p in parents]
+    if not parents or parents[0] != -1:
+        raise ValueError(f"tree: parents[0] must be -1 (the root); got {parents[:1]}")
+    depth = np.zeros(len(parents), np.int32)
+    for n, p in enumerate(parents[1:], 1):
+        if not 0 <= p < n:
+            raise ValueError(f"tree: parents[{n}] = {p}; a node's parent must be an earlier node (0 <= p < {n})")
+        depth[n] = depth[p] + 1
+    return depth
+
+
+def stack_levels(max_nodes: int) -> int:
+    """The DeltaNet stack levels a tree of max_nodes nodes may need: floor(log2(max_nodes))."""
+    return max(1, max_nodes.bit_length() - 1)
+
+
+def schedule(parents: Sequence[int]) -> tuple[np.ndarray, int]:
+    """The DeltaNet items' walk over the tree: (codes [N] in visit order, stack levels used).
+
+    Depth-first, each node's children by subtree size, largest last. A node with several children saves its state
+    to a new stack level; its first child continues from registers, the others restore the level, the last one
+    frees it. A light child's subtree holds at most half its parent's nodes, so at most floor(log2 N) levels are in
+    use at once. Code: node | (restore level + 1) << 16 | (save level + 1) << 24 (templates/tree.cuh: step_node).
+    """
+    depths(parents)
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for c in range(1, n):
+        children[parents[c]].append(c)
+    size = np.ones(n, np.int64)
+    for c in range(n - 1, 0, -1):
+        size[parents[c]] += size[c]
+    codes, top, used = [], 0, 0
+    todo = [(0, -1, False)]  # (node, level to restore or -1, whether restoring frees the level)
+    while todo:
+        node, restore, frees = todo.pop()
+        if frees:
+            top -= 1
+        kids = sorted(children[node], key=lambda c: (size[c], c))
+        save = -1
+        if len(kids) > 1:
+            save, top = top, top + 1
+            used = max(used, top)
+        codes.append(node | (restore + 1) << 16 | (save + 1) << 24)
+        for i in range(len(kids) - 1, -1, -1):
+            todo.append((kids[i], -1 if i == 0 else save, i == len(kids) - 1 and i > 0))
+    return np.array(codes, np.int32), used
+
+
+def check_path(parents: Sequence[int], path: Sequence[int]) -> None:
+    """An accepted path: root first, each node a child of the one before it."""
+    if not path or path[0] != 0:
+        raise ValueError(f"tree path: must start at the root (node 0); got {list(path)[:1]}")
+    for i in range(1, len(path)):
+        if not 0 < path[i] < len(parents) or parents[path[i]] != path[i - 1]:
+            raise ValueError(f"tree path: path[{i}] = {path[i]} is not a child of path[{i - 1}] = {path[i - 1]}")
+
+
+# ---- numpy references (the reference model's math, node by node) -------------------------------------------------
+def deltanet_reference(cfg: ModelConfig, mixed: np.ndarray, conv_w: np.ndarray, a_log: np.ndarray,
+                       dt_bias: np.ndarray, ring: np.ndarray, state: np.ndarray, parents: Sequence[int], start: int):
+    """Node by node, the decode step after its parent: (raw head outputs [N, Hv * dv], each node's conv state
+    [K-1, C] (the reference's layout) and recurrent state [Hv, dv, dk] (the device's) after it).
+
+    mixed [N, C + value_dim + 2 Hv] in-projection rows; conv_w [C, K]; ring [K, C] and state [Hv, dv, dk] the
+    committed ones at position start (state read only when start > 0)."""
+    C, VD, Hk, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    depths(parents)
+    root_conv = ring_to_state(ring, start)
+    root_rec = state.transpose(0, 2, 1) if start > 0 else None
+    out = np.empty((len(parents), Hv * dv), np.float32)
+    convs, recs = [], []
+    for n, p in enumerate(parents):
+        y, conv = causal_conv1d(mixed[n:n + 1, :C], conv_w, root_conv if p < 0 else convs[p])
+        q, k, v = np.split(silu(y), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        beta = sigmoid(mixed[n:n + 1, C + VD:C + VD + Hv])
+        g = -np.exp(a_log) * softplus(mixed[n:n + 1, C + VD + Hv:] + dt_bias)
+        q = np.repeat(q.reshape(1, Hk, dk), Hv // Hk, axis=1)
+        k = np.repeat(k.reshape(1, Hk, dk), Hv // Hk, axis=1)
+        o, S = recurrent_gated_delta_rule(q, k, v.reshape(1, Hv, dv), g, beta,
+                                          root_rec if p < 0 else recs[p].transpose(0, 2, 1))
+        out[n] = o.reshape(-1)
+        convs.append(conv)
+        recs.append(np.ascontiguousarray(S.transpose(0, 2, 1)))
+    return out, convs, recs
+
+
+def deltanet_commit_reference(mixed: np.ndarray, ring: np.ndarray, state: np.ndarray, recs: Sequence[np.ndarray],
+                              path: Sequence[int], start: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ring, state) after the accepted path: its raw inputs in the ring at positions start .., the last node's
+    recurrent state (recs from deltanet_reference)."""
+    ring = ring.copy()
+    for i, n in enumerate(path):
+        ring[(start + i) % ring.shape[0]] = mixed[n, :ring.shape[1]]
+    return ring, (recs[path[-1]] if path else state).copy()
+
+
+def attention_kv_reference(cfg: ModelConfig, qkv: np.ndarray, k_norm: np.ndarray, parents: Sequence[int],
+                           start: int) -> tuple[np.ndarray, np.ndarray]:
+    """The nodes' K (k_norm, RoPE at start + depth) and V rows [N, n_kv, head_dim]."""
+    _, _, k, v = split_qkv(cfg, qkv)
+    cos, sin = rope_cos_sin(start + depths(parents), cfg.rotary_dim, cfg.rope_theta)
+    return apply_rope(rms_norm(k, k_norm, cfg.rms_norm_eps), cos, sin), v
+
+
+def attention_reference(cfg: ModelConfig, qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
+                        keys: np.ndarray, values: np.ndarray, parents: Sequence[int], start: int,
+                        kv_codec=None) -> np.ndarray:
+    """[N, n_heads * head_dim]: node n's query (q_norm, RoPE at start + depth[n]) attends the committed keys/values
+    [start, n_kv, head_dim] and its ancestors' and its own rows (through kv_codec: the cache format's round trip),
+    times the sigmoid output gate."""
+    q, gate, _, _ = split_qkv(cfg, qkv)
+    depth = depths(parents)
+    cos, sin = rope_cos_sin(start + depth, cfg.rotary_dim, cfg.rope_theta)
+    q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), cos, sin)
+    k, v = attention_kv_reference(cfg, qkv, k_norm, parents, start)
+    if kv_codec is not None:
+        k, v = kv_codec(k), kv_codec(v)
+    out = np.empty((len(parents), cfg.num_attention_heads * cfg.head_dim), np.float32)
+    for n in range(len(parents)):
+        line, a = [], n
+        while a >= 0:
+            line.append(a)
+            a = parents[a]
+        rows = line[::-1]
+        o = causal_attention(q[n:n + 1], np.concatenate([keys[:start], k[rows]]),
+                             np.concatenate([values[:start], v[rows]]), cfg.head_dim ** -0.5)
+        out[n] = o.reshape(-1) * sigmoid(gate[n])
+    return out
+
+
+def kv_commit_reference(cache: np.ndarray, path: Sequence[int], start: int) -> np.ndarray:
+    """A cache whose rows start + path[i] (node rows) are moved to start + i."""
+    cache = cache.copy()
+    cache[start:start + len(path)] = cache[[start + n for n in path]]
+    return cache
+
+
+# ---- unit -------------------------------------------------------------------------------------------------------
+def dn_slice(cfg: ModelConfig) -> int:
+    return max(d for d in range(1, min(DN_SLICE, cfg.linear_value_head_dim) + 1) if cfg.linear_value_head_dim % d == 0)
+
+
+def dn_smem(cfg: ModelConfig, levels: int) -> int:
+    """Dynamic shared memory of tree_deltanet (templates/tree.cuh: TreeDeltaNetSmem)."""
+    warps, lane_rows = DN_THREADS // 32, -(-cfg.linear_key_head_dim // 32)
+    level = -(-dn_slice(cfg) // warps) * lane_rows * DN_THREADS
+    return 4 * (levels * level + 2 * cfg.linear_key_head_dim + dn_slice(cfg) + 2)
+
+
+def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
+    """Why the tree kernels cannot take this model on this chip, or None."""
+    mk = spec.tuning.megakernel
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    if group + 2 > mk.threads // 32:
+        return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {mk.threads // 32}"
+    smem = dn_smem(cfg, stack_levels(spec.tuning.ddtree.budget + 1))
+    if smem > spec.chip.smem_per_block:
+        return f"{spec.name}: the tree DeltaNet stack needs {smem} bytes of shared memory; a block has {spec.chip.smem_per_block}"
+    return None
+
+
+def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
+    if not model.linear_layers or not model.full_layers or shape_problem(model, spec):
+        return []
+    mk, cfg = spec.tuning.megakernel, model
+    max_nodes = spec.tuning.ddtree.budget + 1
+    levels = stack_levels(max_nodes)
+    hexf = lambda v: float(np.float32(v)).hex() + "f"
+    params = dict(
+        eps=hexf(cfg.rms_norm_eps), inv_freq=[hexf(v) for v in rope_inv_freq(cfg)],
+        lin=dict(hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                 dv=cfg.linear_value_head_dim, conv_k=cfg.linear_conv_kernel_dim, key_dim=cfg.key_dim,
+                 value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
+        att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
+                 min_chunk=2 * (mk.threads // 32)),
+        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=mk.threads, att_blocks=mk.blocks,
+        levels=levels, max_nodes=max_nodes)
+    return [KernelUnit("tree", "tree.cu.j2", params, (
+        KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, levels)),
+        KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", mk.threads),
+        KernelSig("tree_kv_commit", KV_THREADS)))]
+
+
+# ---- launcher ---------------------------------------------------------------------------------------------------
+@dataclass
+class DeviceTree:
+    """One round's tree on the device (shared by every layer): parents, depth and the DeltaNet schedule."""
+    n: int
+    parents: np.ndarray
+    d_parents: object
+    d_depth: object
+    d_schedule: object
+
+    def free(self) -> None:
+        for a in (self.d_parents, self.d_depth, self.d_schedule):
+            a.free()
+
+
+class TreeKernels:
+    """The tree kernels of one model on one chip and their scratch, sized for the spec's DDTree budget (+ root).
+
+    Arguments are DeviceArrays: mixed [N, C + value_dim + 2 Hv] and qkv [N, attention in-projection rows] fp32
+    (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them."""
+
+    def __init__(self, module, cfg: ModelConfig, spec: ChipSpec):
+        from ..runtime import DeviceArray
+        self.cfg, self.spec = cfg, spec
+        mk = spec.tuning.megakernel
+        self.max_nodes = spec.tuning.ddtree.budget + 1
+        self.levels = stack_levels(self.max_nodes)
+        self.att_blocks, self.att_threads = mk.blocks, mk.threads
+        self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
+        self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
+        self.dn_smem = dn_smem(cfg, self.levels)
+        if self.dn_smem > 48 * 1024:
+            self._dn.set_max_dynamic_smem(self.dn_smem)
+        chunks, group = max(1, mk.blocks // cfg.num_key_value_heads), cfg.num_attention_heads // cfg.num_key_value_heads
+        part = self.max_nodes * cfg.num_key_value_heads * chunks * group
+        self.part_ml = DeviceArray.empty(part * 2, np.float32)
+        self.part_acc = DeviceArray.empty(part * cfg.head_dim, np.float32)
+        self.tickets = DeviceArray.zeros(self.max_nodes * cfg.num_key_value_heads + 1, np.uint32)
+        self.path = DeviceArray.empty(self.max_nodes, np.int32)
+
+    def tree(self, parents: Sequence[int]) -> DeviceTree:
+        """Upload a round's tree (validated; at most the budget + 1 nodes)."""
+        from ..runtime import DeviceArray
+        if len(parents) > self.max_nodes:
+            raise ValueError(f"tree: {len(parents)} nodes; {self.spec.name}'s kernels take at most {self.max_nodes} "
+                             f"(DDTree budget {self.max_nodes - 1} + root)")
+        codes, _ = schedule(parents)
+        p = np.asarray(parents, np.int32)
+        return DeviceTree(len(p), p, DeviceArray.from_numpy(p), DeviceArray.from_numpy(depths(p)),
+                          DeviceArray.from_numpy(codes))
+
+    def set_path(self, tree: DeviceTree, path: Sequence[int]) -> int:
+        """Upload the accepted path (root first) for the commits; returns its length."""
+        check_path(tree.parents, path)
+        self.path.view(len(path), np.int32).copy_from(np.asarray(path, np.int32))
+        return len(path)
+
+    def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, steps, codes, commit, stream):
+        cfg = self.cfg
+        grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
+        ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
+        self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
+                 tree.d_depth, codes, steps, start, out, ticket, int(commit), smem=self.dn_smem, stream=stream)
+
+    def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int,
+                 stream=None) -> None:
+        """Raw head outputs out [N, Hv * dv] of every node; the committed ring and state are only read."""
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, tree.n, tree.d_schedule, False,
+                       stream)
+
+    def deltanet_commit(self, tree: DeviceTree, length: int, mixed, conv_w, a_log, dt_bias, ring, state, out,
+                        start: int, stream=None) -> None:
+        """The accepted path (set_path) replayed into ring and state: they become what decoding its tokens one by
+        one leaves. out rows of the path's nodes are rewritten with the same values."""
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, length, self.path, True, stream)
+
+    def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, stream=None) -> None:
+        """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
+        self._kv((tree.n, self.cfg.num_key_value_heads), KV_THREADS, qkv, qkv.shape[1], k_norm, keys, values,
+                 tree.d_depth, start, stream=stream)
+
+    def attention(self, tree: DeviceTree, qkv, q_norm, keys, values, out, start: int, stream=None) -> None:
+        """Gated attention outputs out [N, n_heads * head_dim]; after attention_kv."""
+        self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, keys, values,
+                  tree.d_parents, tree.d_depth, start, self.part_ml, self.part_acc, self.tickets, out, stream=stream)
+
+    def kv_commit(self, length: int, keys, values, start: int, stream=None) -> None:
+        """The accepted path's rows (set_path) moved to start .. start + length - 1."""
+        self._commit(self.cfg.num_key_value_heads, KV_THREADS, keys, values, self.path, length, start, stream=stream)
+
+    def free(self) -> None:
+        for a in (self.part_ml, self.part_acc, self.tickets, self.path):
+            a.free()
