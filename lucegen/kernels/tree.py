@@ -226,23 +226,23 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
 # ---- launcher ---------------------------------------------------------------------------------------------------
 @dataclass
 class DeviceTree:
-    """One round's tree on the device (shared by every layer): parents, depth and the DeltaNet schedule."""
+    """A tree on the device: parents, depth and the DeltaNet schedule (views of the launcher's buffers)."""
     n: int
     parents: np.ndarray
     d_parents: object
     d_depth: object
     d_schedule: object
 
-    def free(self) -> None:
-        for a in (self.d_parents, self.d_depth, self.d_schedule):
-            a.free()
-
 
 class TreeKernels:
     """The tree kernels of one model on one chip and their scratch, sized for the spec's DDTree budget (+ root).
 
     Arguments are DeviceArrays: mixed [N, C + value_dim + 2 Hv] and qkv [N, attention in-projection rows] fp32
-    (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them."""
+    (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them. A round:
+    t = tree(parents) (one upload, shared by every layer), per layer deltanet / attention_kv + attention, then
+    set_path(t, path) and per layer deltanet_commit / kv_commit. The decode step is the 1-node tree, uploaded once:
+    decode_deltanet and decode_attention (no commit needed: its K/V row is row start). Uploads are synchronous
+    copies into fixed buffers, so a round's launches must be done before the next tree() or set_path()."""
 
     def __init__(self, module, cfg: ModelConfig, spec: ChipSpec):
         from ..runtime import DeviceArray
@@ -261,18 +261,27 @@ class TreeKernels:
         self.part_ml = DeviceArray.empty(part * 2, np.float32)
         self.part_acc = DeviceArray.empty(part * cfg.head_dim, np.float32)
         self.tickets = DeviceArray.zeros(self.max_nodes * cfg.num_key_value_heads + 1, np.uint32)
-        self.path = DeviceArray.empty(self.max_nodes, np.int32)
+        # [parents | depth | schedule | path] of a round's tree, then of the 1-node tree
+        self.ints = DeviceArray.empty(4 * self.max_nodes + 3, np.int32)
+        self.ints.view(3, np.int32, 16 * self.max_nodes).copy_from(np.array([-1, 0, 0], np.int32))
+        self.single = self._views(1, [-1], 4 * self.max_nodes, 1)
+        self.path = self.ints.view(self.max_nodes, np.int32, 12 * self.max_nodes)
+
+    def _views(self, n: int, parents, first: int, stride: int) -> DeviceTree:
+        at = lambda i: self.ints.view(n, np.int32, 4 * (first + i * stride))
+        return DeviceTree(n, np.asarray(parents, np.int32), at(0), at(1), at(2))
 
     def tree(self, parents: Sequence[int]) -> DeviceTree:
         """Upload a round's tree (validated; at most the budget + 1 nodes)."""
-        from ..runtime import DeviceArray
         if len(parents) > self.max_nodes:
             raise ValueError(f"tree: {len(parents)} nodes; {self.spec.name}'s kernels take at most {self.max_nodes} "
                              f"(DDTree budget {self.max_nodes - 1} + root)")
+        depth = depths(parents)
         codes, _ = schedule(parents)
-        p = np.asarray(parents, np.int32)
-        return DeviceTree(len(p), p, DeviceArray.from_numpy(p), DeviceArray.from_numpy(depths(p)),
-                          DeviceArray.from_numpy(codes))
+        t = self._views(len(parents), parents, 0, self.max_nodes)
+        for view, a in ((t.d_parents, t.parents), (t.d_depth, depth), (t.d_schedule, codes)):
+            view.copy_from(a)
+        return t
 
     def set_path(self, tree: DeviceTree, path: Sequence[int]) -> int:
         """Upload the accepted path (root first) for the commits; returns its length."""
@@ -299,6 +308,11 @@ class TreeKernels:
         one leaves. out rows of the path's nodes are rewritten with the same values."""
         self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, length, self.path, True, stream)
 
+    def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, stream=None) -> None:
+        """The decode step at position start: out [1, Hv * dv]; ring and state advanced."""
+        t = self.single
+        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, 1, t.d_schedule, True, stream)
+
     def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, stream=None) -> None:
         """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
         self._kv((tree.n, self.cfg.num_key_value_heads), KV_THREADS, qkv, qkv.shape[1], k_norm, keys, values,
@@ -309,10 +323,15 @@ class TreeKernels:
         self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, keys, values,
                   tree.d_parents, tree.d_depth, start, self.part_ml, self.part_acc, self.tickets, out, stream=stream)
 
+    def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, stream=None) -> None:
+        """The decode step at position start: its K/V row into row start, out [1, n_heads * head_dim]."""
+        self.attention_kv(self.single, qkv, k_norm, keys, values, start, stream)
+        self.attention(self.single, qkv, q_norm, keys, values, out, start, stream)
+
     def kv_commit(self, length: int, keys, values, start: int, stream=None) -> None:
         """The accepted path's rows (set_path) moved to start .. start + length - 1."""
         self._commit(self.cfg.num_key_value_heads, KV_THREADS, keys, values, self.path, length, start, stream=stream)
 
     def free(self) -> None:
-        for a in (self.part_ml, self.part_acc, self.tickets, self.path):
+        for a in (self.part_ml, self.part_acc, self.tickets, self.ints):
             a.free()

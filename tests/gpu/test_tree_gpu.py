@@ -148,12 +148,14 @@ def test_deltanet_commit_is_sequential_decode(kernels, model, kind, n, start, se
     live = [(start + len(path) - 1 - d) % ring.shape[0] for d in range(min(ring.shape[0], start + len(path)))]
     assert rel_err(ring[live], ref_ring[live]) < DN_RTOL and rel_err(state, ref_state) < DN_RTOL
 
-    step = dict(x)
+    d = {name: dev(a) for name, a in x.items()}
+    o = poisoned((1, k.cfg.value_dim), np.float32)
     for i, node in enumerate(path):  # the decode step, token by token
-        step["mixed"] = x["mixed"][node:node + 1]
-        o, step["ring"], step["state"] = run_deltanet(k, step, [-1], start + i, [0])
-        assert np.array_equal(o[0], out[node]), f"node {node}: verify output differs from its decode step"
-    assert np.array_equal(ring[live], step["ring"][live]) and np.array_equal(state, step["state"])
+        step = dev(x["mixed"][node:node + 1])
+        k.decode_deltanet(step, d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], o, start + i)
+        synchronize()
+        assert np.array_equal(o.numpy()[0], out[node]), f"node {node}: verify output differs from its decode step"
+    assert np.array_equal(ring[live], d["ring"].numpy()[live]) and np.array_equal(state, d["state"].numpy())
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
@@ -171,8 +173,8 @@ def run_attention(k: tree.TreeKernels, x, parents, start, path=None):
     """(out, keys, values) after attention_kv + attention (and, with a path, kv_commit)."""
     t = k.tree(parents)
     d = {name: dev(a) for name, a in x.items()}
-    for cache in (d["keys"], d["values"]):  # node rows: written by attention_kv before anything reads them
-        cache.view((len(parents), k.cfg.kv_dim), BF16, start * k.cfg.kv_dim * 2).fill_bytes(0xFF)
+    for buf in (d["keys"], d["values"]):  # node rows: written by attention_kv before anything reads them
+        buf.view((len(parents), k.cfg.kv_dim), BF16, start * k.cfg.kv_dim * 2).fill_bytes(0xFF)
     out = poisoned((len(parents), k.cfg.num_attention_heads * k.cfg.head_dim), np.float32)
     k.attention_kv(t, d["qkv"], d["k_norm"], d["keys"], d["values"], start)
     k.attention(t, d["qkv"], d["q_norm"], d["keys"], d["values"], out, start)
@@ -217,12 +219,17 @@ def test_attention_commit_is_sequential_decode(kernels, model, kind, n, start, s
     path = deepest_path(parents, rng)
     out, keys, values = run_attention(k, x, parents, start, path)
     _, node_keys, node_values = run_attention(k, x, parents, start)
-    for cache, nodes in ((keys, node_keys), (values, node_values)):
-        assert np.array_equal(cache[:start + len(path)],
+    for got, nodes in ((keys, node_keys), (values, node_values)):
+        assert np.array_equal(got[:start + len(path)],
                               tree.kv_commit_reference(nodes, path, start)[:start + len(path)])
-    for i, node in enumerate(path):
-        step = dict(x, qkv=x["qkv"][node:node + 1], keys=keys[:start + i + 1].copy(),
-                    values=values[:start + i + 1].copy())
-        o, sk, sv = run_attention(k, step, [-1], start + i)
-        assert np.array_equal(o[0], out[node]), f"node {node}: verify output differs from its decode step"
-        assert np.array_equal(sk[start + i], keys[start + i]) and np.array_equal(sv[start + i], values[start + i])
+    d = {name: dev(a) for name, a in x.items()}
+    o = poisoned((1, k.cfg.num_attention_heads * k.cfg.head_dim), np.float32)
+    for buf in (d["keys"], d["values"]):
+        buf.view((len(parents), k.cfg.kv_dim), BF16, start * k.cfg.kv_dim * 2).fill_bytes(0xFF)
+    for i, node in enumerate(path):  # the decode step, token by token
+        k.decode_attention(dev(x["qkv"][node:node + 1]), d["q_norm"], d["k_norm"], d["keys"], d["values"], o,
+                           start + i)
+        synchronize()
+        assert np.array_equal(o.numpy()[0], out[node]), f"node {node}: verify output differs from its decode step"
+    assert np.array_equal(d["keys"].numpy()[:start + len(path)], keys[:start + len(path)])
+    assert np.array_equal(d["values"].numpy()[:start + len(path)], values[:start + len(path)])
