@@ -41,7 +41,7 @@ struct TreeDeltaNet {
     const int* parents;     // [N]
     const int* depth;       // [N]
     const int* schedule;    // [steps] codes (step_node ..)
-    int steps, start;
+    int nodes, steps, start;
     float* out;             // [N][Hv * dv] raw head outputs
     unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
 };
@@ -56,9 +56,9 @@ struct TreeDeltaNetSmem {
 };
 
 // Item (vh, slice) over the schedule; with `commit` the final state is written back and the ring updated.
-// `window` holds K-1 ints of shared memory, `flag` one.
-template <class M, int THREADS, int LEVELS>
-__device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* window,
+// `ints` holds 3 MAX_NODES + K ints of shared memory (the tree's parents, depth and schedule, a window), `flag` one.
+template <class M, int THREADS, int LEVELS, int MAX_NODES>
+__device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
     constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, HV = M::LIN_HV;
     using P = DeltaNetSplit<M, THREADS>;
@@ -67,16 +67,26 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
     float* stack = smem;
     float* work = smem + LEVELS * Smem::LEVEL;
+    int* parents = ints;                  // the tree in shared memory: a window walks it every step
+    int* depth = parents + MAX_NODES;
+    int* schedule = depth + MAX_NODES;
+    int* window = schedule + MAX_NODES;   // [K - 1]
     float S[P::WARP_COLS][P::LANE_ROWS];
     deltanet_load_state<M, THREADS>(S, state, T.start > 0);
+    for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
+        parents[i] = T.parents[i];
+        depth[i] = T.depth[i];
+    }
+    for (int i = threadIdx.x; i < T.steps; i += THREADS) schedule[i] = T.schedule[i];
+    __syncthreads();
 
-    for (int s = 0; s < T.steps; ++s) {
-        const int code = T.schedule[s], node = step_node(code), restore = step_restore(code), save = step_save(code);
+    for (int s = 0; s < T.steps; ++s) {  // (the previous step's window was read before its front's barriers)
+        const int code = schedule[s], node = step_node(code), restore = step_restore(code), save = step_save(code);
         if (threadIdx.x == 0) {  // the window's sources, oldest first: a row of mixed (>= 0), a ring slot s (-2 - s)
-            const int pos = T.start + T.depth[node];  // or nothing (-1: before the sequence)
+            const int pos = T.start + depth[node];  // or nothing (-1: before the sequence)
             int a = node;
             for (int d = 1; d < K; ++d) {
-                a = a >= 0 ? T.parents[a] : -1;
+                a = a >= 0 ? parents[a] : -1;
                 window[K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
             }
         }
@@ -118,7 +128,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps).
     if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
         for (int s = max(0, T.steps - K); s < T.steps; ++s) {
-            const int node = step_node(T.schedule[s]), slot = (T.start + T.depth[node]) % K;
+            const int node = step_node(schedule[s]), slot = (T.start + depth[node]) % K;
             for (int c = threadIdx.x; c < C; c += THREADS)
                 T.conv_ring[(size_t)slot * C + c] = load_coherent(T.mixed + (size_t)node * T.stride + c);
         }
@@ -133,7 +143,7 @@ struct TreeAttention {
     bf16* values;
     const int* parents;     // [N]
     const int* depth;       // [N]
-    int start;
+    int nodes, start;
     float* part_ml;         // [N][n_kv][chunks][G][2]
     float* part_acc;        // [N][n_kv][chunks][G][head_dim]
     unsigned* tickets;      // [N][n_kv], zero between uses
@@ -165,14 +175,18 @@ __device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float
             __float2bfloat16(d < HD ? k[d] : load_coherent(row + NKV * HD + g * HD + d - HD));
 }
 
-// Work item `item` of node n (gridDim.x items per node, as the decode step's grid). `anc` holds max depth + 1 ints.
+// Work item `item` of node n (gridDim.x items per node, as the decode step's grid). `ints` holds 2 N ints.
 template <class M, int THREADS>
-__device__ void tree_attention_item(const TreeAttention& T, int item, int node, float* work, int* anc, int* flag) {
+__device__ void tree_attention_item(const TreeAttention& T, int item, int node, float* work, int* ints, int* flag) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, NKV = M::ATT_NKV, HD = M::ATT_HD;
     const int depth = T.depth[node], pos = T.start + depth, start = T.start;
     if (item >= NKV * attention_chunks<M>(pos + 1, gridDim.x).y) return;
+    int* parents = ints;      // the tree in shared memory, walked from node to the root
+    int* anc = ints + T.nodes;  // [depth + 1] node's ancestors by depth, node last
+    for (int i = threadIdx.x; i < T.nodes; i += THREADS) parents[i] = T.parents[i];
+    __syncthreads();
     if (threadIdx.x == 0)
-        for (int d = depth, a = node; d >= 0; --d, a = T.parents[a]) anc[d] = a;
+        for (int d = depth, a = node; d >= 0; --d, a = parents[a]) anc[d] = a;
     __syncthreads();
     const size_t chunks = max(1, (int)gridDim.x / NKV);
     const AttentionLayer L{T.qkv + (size_t)node * T.stride, T.q_norm, T.k_norm, T.keys, T.values,

@@ -294,7 +294,7 @@ class TreeKernels:
         grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
         ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
         self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, steps, start, out, ticket, int(commit), smem=self.dn_smem, stream=stream)
+                 tree.d_depth, codes, tree.n, steps, start, out, ticket, int(commit), smem=self.dn_smem, stream=stream)
 
     def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int,
                  stream=None) -> None:
