@@ -131,8 +131,9 @@ def test_attention_reference_is_the_per_node_decode_step(parents, n_prompt, seed
     qkv = x @ np.concatenate([p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"]]).T
     empty = np.zeros((0, CFG.num_key_value_heads, CFG.head_dim), np.float32)
     keys, values = state.keys.get(FULL, empty), state.values.get(FULL, empty)
-    out = tree.attention_reference(CFG, qkv, p["q_norm.weight"], p["k_norm.weight"], keys, values, parents, n_prompt)
     k, v = tree.attention_kv_reference(CFG, qkv, p["k_norm.weight"], parents, n_prompt)
+    out = tree.attention_reference(CFG, qkv, p["q_norm.weight"], np.concatenate([keys, k]),
+                                   np.concatenate([values, v]), parents, n_prompt)
     depth = tree.depths(parents)
     for n in range(len(parents)):
         line, a = [], parents[n]

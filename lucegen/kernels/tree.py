@@ -144,28 +144,22 @@ def attention_kv_reference(cfg: ModelConfig, qkv: np.ndarray, k_norm: np.ndarray
     return apply_rope(rms_norm(k, k_norm, cfg.rms_norm_eps), cos, sin), v
 
 
-def attention_reference(cfg: ModelConfig, qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
-                        keys: np.ndarray, values: np.ndarray, parents: Sequence[int], start: int,
-                        kv_codec=None) -> np.ndarray:
-    """[N, n_heads * head_dim]: node n's query (q_norm, RoPE at start + depth[n]) attends the committed keys/values
-    [start, n_kv, head_dim] and its ancestors' and its own rows (through kv_codec: the cache format's round trip),
-    times the sigmoid output gate."""
+def attention_reference(cfg: ModelConfig, qkv: np.ndarray, q_norm: np.ndarray, keys: np.ndarray,
+                        values: np.ndarray, parents: Sequence[int], start: int) -> np.ndarray:
+    """[N, n_heads * head_dim]: node n's query (q_norm, RoPE at start + depth[n]) attends the committed rows
+    [0, start) and its ancestors' and its own rows (row start + m for node m, as attention_kv leaves the cache
+    [start + N, n_kv, head_dim]), times the sigmoid output gate."""
     q, gate, _, _ = split_qkv(cfg, qkv)
-    depth = depths(parents)
-    cos, sin = rope_cos_sin(start + depth, cfg.rotary_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(start + depths(parents), cfg.rotary_dim, cfg.rope_theta)
     q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), cos, sin)
-    k, v = attention_kv_reference(cfg, qkv, k_norm, parents, start)
-    if kv_codec is not None:
-        k, v = kv_codec(k), kv_codec(v)
     out = np.empty((len(parents), cfg.num_attention_heads * cfg.head_dim), np.float32)
     for n in range(len(parents)):
-        line, a = [], n
+        rows, a = [], n
         while a >= 0:
-            line.append(a)
+            rows.append(start + a)
             a = parents[a]
-        rows = line[::-1]
-        o = causal_attention(q[n:n + 1], np.concatenate([keys[:start], k[rows]]),
-                             np.concatenate([values[:start], v[rows]]), cfg.head_dim ** -0.5)
+        rows = list(range(start)) + rows[::-1]
+        o = causal_attention(q[n:n + 1], keys[rows], values[rows], cfg.head_dim ** -0.5)
         out[n] = o.reshape(-1) * sigmoid(gate[n])
     return out
 
