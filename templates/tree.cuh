@@ -176,8 +176,11 @@ __device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float
 }
 
 // Work item `item` of node n (gridDim.x items per node, as the decode step's grid). `ints` holds 2 N ints.
+// writes_kv (a 1-node tree: the decode step): the item holding the node's position writes its K/V row first, as
+// the decode item does, instead of tree_attention_kv.
 template <class M, int THREADS>
-__device__ void tree_attention_item(const TreeAttention& T, int item, int node, float* work, int* ints, int* flag) {
+__device__ void tree_attention_item(const TreeAttention& T, int item, int node, bool writes_kv, float* work, int* ints,
+                                    int* flag) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, NKV = M::ATT_NKV, HD = M::ATT_HD;
     const int depth = T.depth[node], pos = T.start + depth, start = T.start;
     if (item >= NKV * attention_chunks<M>(pos + 1, gridDim.x).y) return;
@@ -193,7 +196,7 @@ __device__ void tree_attention_item(const TreeAttention& T, int item, int node, 
                            T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
                            T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD};
     attention_item<M, THREADS>(L, item, pos, work, flag, [=](int p) { return p < start ? p : start + anc[p - start]; },
-                               false);
+                               writes_kv);
 }
 
 // Rows start + path[i] to start + i for the accepted path (root first) of kv head g. Each thread owns columns and

@@ -7,7 +7,8 @@ writes their outputs; the commit (a path of L nodes) reads and writes the state;
 context's K/V once (bf16) plus the nodes' rows. Inputs are random; the state (1 MiB on Qwen3.5-0.8B) may sit in L2
 across repeats, as one layer's state does between the verify and the commit of a round.
 
-Records: tree_<kernel>_us with `limit` the floor in us, model "<model> N=<n> <shape>".
+Records: tree_<kernel>_us with `limit` the floor in us, model "<model> N=<n> <shape>"; the decode step (the
+1-node tree through decode_deltanet / decode_attention) as tree_decode_<kind>_us, model "<model> N=1".
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def _trees(max_nodes: int, rng) -> dict[str, list[int]]:
-    out = {"decode": [-1]}
+    out = {}
     for n in sorted({16, max_nodes}):
         out[f"N={n} chain"] = [-1] + list(range(n - 1))
         out[f"N={n} bushy"] = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
@@ -65,6 +66,17 @@ def run(recorder: Recorder | None = None) -> None:
         bf16 = lambda shape: DeviceArray.from_numpy(rng.standard_normal(shape, dtype=np.float32).astype(BF16))
         keys, values = bf16(kv_shape), bf16(kv_shape)
         state_bytes, row_kv = 4 * int(np.prod(state_shape)), 2 * cfg.kv_dim
+        decode = {  # the decode step: the 1-node tree, committed (one launch per layer kind)
+            "decode_deltanet": (lambda s: k.decode_deltanet(mixed, conv_w, a_log, dt_bias, ring, state, out_dn,
+                                                            CONTEXT, stream=s),
+                                2 * state_bytes + 4 * (rows_dn + cfg.value_dim)),
+            "decode_attention": (lambda s: k.decode_attention(qkv, q_norm, k_norm, keys, values, out_att, CONTEXT,
+                                                              stream=s),
+                                 (CONTEXT + 1) * 2 * row_kv + 4 * (rows_att + cfg.num_attention_heads * cfg.head_dim)),
+        }
+        for kernel, (fn, nbytes) in decode.items():
+            us = median_ms(fn, stream, warmup_s=0.1) * 1e3
+            rec.record(f"tree_{kernel}_us", f"{name} N=1", us, "us", floor_us(nbytes), nodes=1, context=CONTEXT)
         for label, parents in _trees(n_max, rng).items():
             n, t = len(parents), k.tree(parents)
             path = tree_path(parents, min(n, 8))

@@ -15,6 +15,7 @@ fp32 [Hv, dv, dk], caches bf16 [context, n_kv, head_dim].
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,7 @@ from .megakernel import rope_inv_freq
 DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
 DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
 KV_THREADS = 128
+NULL = (0, ctypes.c_void_p)
 
 
 # ---- tree shape -------------------------------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class TreeKernels:
     (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them. A round:
     t = tree(parents) (one upload, shared by every layer), per layer deltanet / attention_kv + attention, then
     set_path(t, path) and per layer deltanet_commit / kv_commit. The decode step is the 1-node tree, uploaded once:
-    decode_deltanet and decode_attention (no commit needed: its K/V row is row start). Uploads are synchronous
+    decode_deltanet and decode_attention, one launch each (its K/V row is row start: nothing to commit). Uploads are synchronous
     copies into fixed buffers, so a round's launches must be done before the next tree() or set_path()."""
 
     def __init__(self, module, cfg: ModelConfig, spec: ChipSpec):
@@ -312,15 +314,18 @@ class TreeKernels:
         self._kv((tree.n, self.cfg.num_key_value_heads), KV_THREADS, qkv, qkv.shape[1], k_norm, keys, values,
                  tree.d_depth, start, stream=stream)
 
+    def _attention(self, tree, qkv, q_norm, k_norm, keys, values, out, start, writes_kv, stream) -> None:
+        self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, k_norm, keys, values,
+                  tree.d_parents, tree.d_depth, start, self.part_ml, self.part_acc, self.tickets, out, int(writes_kv),
+                  stream=stream)
+
     def attention(self, tree: DeviceTree, qkv, q_norm, keys, values, out, start: int, stream=None) -> None:
         """Gated attention outputs out [N, n_heads * head_dim]; after attention_kv."""
-        self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, keys, values,
-                  tree.d_parents, tree.d_depth, start, self.part_ml, self.part_acc, self.tickets, out, stream=stream)
+        self._attention(tree, qkv, q_norm, NULL, keys, values, out, start, False, stream)  # K/V rows are written
 
     def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, stream=None) -> None:
-        """The decode step at position start: its K/V row into row start, out [1, n_heads * head_dim]."""
-        self.attention_kv(self.single, qkv, k_norm, keys, values, start, stream)
-        self.attention(self.single, qkv, q_norm, keys, values, out, start, stream)
+        """The decode step at position start in one launch: its K/V row into row start, out [1, n_heads * head_dim]."""
+        self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, True, stream)
 
     def kv_commit(self, length: int, keys, values, start: int, stream=None) -> None:
         """The accepted path's rows (set_path) moved to start .. start + length - 1."""
