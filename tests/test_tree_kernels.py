@@ -21,8 +21,11 @@ from lucegen.spec import list_specs, load_spec
 from lucegen.spec_decode import tree_forward
 
 CFG = tiny_config()
-WEIGHTS = random_weights(CFG, seed=3)
-LIN, FULL = CFG.linear_layers[0], CFG.full_layers[0]
+# tiny (Hv = 2 Hk, 2 query heads per kv head), and 3 value heads per key head with one kv head (as 27B)
+RATIO3 = tiny_config(name="ratio3", hidden_size=96, num_hidden_layers=4, intermediate_size=192, num_attention_heads=6,
+                     num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
+                     linear_key_head_dim=32, linear_value_head_dim=32)
+MODELS = {cfg.name: (cfg, random_weights(cfg, seed=3)) for cfg in (CFG, RATIO3)}
 
 
 @st.composite
@@ -73,39 +76,40 @@ def test_bad_trees_and_paths_say_what_is_wrong():
 
 
 # ---- references against the reference model ----------------------------------------------------------------------
-def committed(n_prompt: int) -> State:
+def committed(cfg, weights, n_prompt: int) -> State:
     state = State()
     if n_prompt:
-        prefill(WEIGHTS, CFG, list(range(7, 7 + n_prompt)), state)
+        prefill(weights, cfg, list(range(7, 7 + n_prompt)), state)
     return state
 
 
-def lin_mixed(x):
-    p = sub_weights(WEIGHTS, f"layers.{LIN}.linear_attn.")
+def lin_mixed(weights, x):
+    p = sub_weights(weights, "layers.0.linear_attn.")
     w = np.concatenate([p[n] for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                        "in_proj_a.weight")])
     return x @ w.T, p
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @settings(max_examples=12, deadline=None)
 @given(trees(max_nodes=12), st.sampled_from([0, 1, 5]), st.integers(0, 2**31 - 1))
-def test_deltanet_reference_is_the_per_node_decode_step(parents, n_prompt, seed):
+def test_deltanet_reference_is_the_per_node_decode_step(model, parents, n_prompt, seed):
     """Layer 0 (DeltaNet) sees the embeddings: the reference's node states equal tree_forward's, and its outputs
     through the gated norm and out-projection equal gated_deltanet run as a decode step after the parent."""
-    assert LIN == 0
+    cfg, weights = MODELS[model]
     rng = np.random.default_rng(seed)
-    state, tokens = committed(n_prompt), rng.integers(0, CFG.vocab_size, len(parents)).tolist()
-    x = rms_norm(WEIGHTS["embed_tokens.weight"][tokens], WEIGHTS["layers.0.input_layernorm.weight"], CFG.rms_norm_eps)
-    mixed, p = lin_mixed(x)
-    K, C = CFG.linear_conv_kernel_dim, CFG.conv_dim
+    state, tokens = committed(cfg, weights, n_prompt), rng.integers(0, cfg.vocab_size, len(parents)).tolist()
+    x = rms_norm(weights["embed_tokens.weight"][tokens], weights["layers.0.input_layernorm.weight"], cfg.rms_norm_eps)
+    mixed, p = lin_mixed(weights, x)
+    K, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
     ring = state_to_ring(state.conv[0], n_prompt) if n_prompt else np.zeros((K, C), np.float32)
-    shape = (CFG.linear_num_value_heads, CFG.linear_value_head_dim, CFG.linear_key_head_dim)
+    shape = (cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim)
     rec = state.recurrent[0].transpose(0, 2, 1).copy() if n_prompt else np.full(shape, np.nan, np.float32)
-    out, convs, recs = tree.deltanet_reference(CFG, mixed, p["conv1d.weight"][:, 0], p["A_log"], p["dt_bias"], ring,
+    out, convs, recs = tree.deltanet_reference(cfg, mixed, p["conv1d.weight"][:, 0], p["A_log"], p["dt_bias"], ring,
                                                rec, parents, n_prompt)
 
-    _, nodes = tree_forward(WEIGHTS, CFG, state, tokens, parents)
-    z = mixed[:, C:C + CFG.value_dim].reshape(len(parents), CFG.linear_num_value_heads, -1)
+    _, nodes = tree_forward(weights, cfg, state, tokens, parents)
+    z = mixed[:, C:C + cfg.value_dim].reshape(len(parents), cfg.linear_num_value_heads, -1)
     for n, par in enumerate(parents):
         assert relative_error(convs[n], nodes[n].conv[0]) < 1e-6
         assert relative_error(recs[n].transpose(0, 2, 1), nodes[n].recurrent[0]) < 1e-5
@@ -113,26 +117,29 @@ def test_deltanet_reference_is_the_per_node_decode_step(parents, n_prompt, seed)
         rec0 = (recs[par].transpose(0, 2, 1) if par >= 0 else state.recurrent.get(0))
         if rec0 is None:  # the sequence's first token: the model runs its chunked rule from zeros
             continue
-        y, _, _ = gated_deltanet(p, CFG, x[n:n + 1], conv0, rec0)
-        o = rms_norm_gated(out[n].reshape(1, CFG.linear_num_value_heads, -1), z[n:n + 1], p["norm.weight"],
-                           CFG.rms_norm_eps).reshape(1, -1) @ p["out_proj.weight"].T
+        y, _, _ = gated_deltanet(p, cfg, x[n:n + 1], conv0, rec0)
+        o = rms_norm_gated(out[n].reshape(1, cfg.linear_num_value_heads, -1), z[n:n + 1], p["norm.weight"],
+                           cfg.rms_norm_eps).reshape(1, -1) @ p["out_proj.weight"].T
         assert relative_error(o, y) < 1e-5
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @settings(max_examples=12, deadline=None)
 @given(trees(max_nodes=12), st.sampled_from([0, 1, 6]), st.integers(0, 2**31 - 1))
-def test_attention_reference_is_the_per_node_decode_step(parents, n_prompt, seed):
+def test_attention_reference_is_the_per_node_decode_step(model, parents, n_prompt, seed):
     """Node by node, gated_attention over the committed cache plus the ancestors' rows (what the model's decode step
     at that position sees) gives the reference's K/V rows and, through o_proj, its outputs."""
+    cfg, weights = MODELS[model]
+    full = cfg.full_layers[0]
     rng = np.random.default_rng(seed)
-    state = committed(n_prompt)
-    p = sub_weights(WEIGHTS, f"layers.{FULL}.self_attn.")
-    x = rng.normal(size=(len(parents), CFG.hidden_size)).astype(np.float32)
+    state = committed(cfg, weights, n_prompt)
+    p = sub_weights(weights, f"layers.{full}.self_attn.")
+    x = rng.normal(size=(len(parents), cfg.hidden_size)).astype(np.float32)
     qkv = x @ np.concatenate([p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"]]).T
-    empty = np.zeros((0, CFG.num_key_value_heads, CFG.head_dim), np.float32)
-    keys, values = state.keys.get(FULL, empty), state.values.get(FULL, empty)
-    k, v = tree.attention_kv_reference(CFG, qkv, p["k_norm.weight"], parents, n_prompt)
-    out = tree.attention_reference(CFG, qkv, p["q_norm.weight"], np.concatenate([keys, k]),
+    empty = np.zeros((0, cfg.num_key_value_heads, cfg.head_dim), np.float32)
+    keys, values = state.keys.get(full, empty), state.values.get(full, empty)
+    k, v = tree.attention_kv_reference(cfg, qkv, p["k_norm.weight"], parents, n_prompt)
+    out = tree.attention_reference(cfg, qkv, p["q_norm.weight"], np.concatenate([keys, k]),
                                    np.concatenate([values, v]), parents, n_prompt)
     depth = tree.depths(parents)
     for n in range(len(parents)):
@@ -141,17 +148,19 @@ def test_attention_reference_is_the_per_node_decode_step(parents, n_prompt, seed
             line.append(a)
             a = parents[a]
         line = line[::-1]
-        y, kk, vv = gated_attention(p, CFG, x[n:n + 1], n_prompt + int(depth[n]),
+        y, kk, vv = gated_attention(p, cfg, x[n:n + 1], n_prompt + int(depth[n]),
                                     np.concatenate([keys, k[line]]), np.concatenate([values, v[line]]))
         assert relative_error(kk[-1], k[n]) < 1e-6 and relative_error(vv[-1], v[n]) < 1e-6
         assert relative_error(out[n:n + 1] @ p["o_proj.weight"].T, y) < 1e-5
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @settings(max_examples=10, deadline=None)
 @given(trees(max_nodes=12), st.sampled_from([1, 3, 9]), st.integers(0, 2**31 - 1))
-def test_commit_references_are_sequential_decoding(parents, n_prompt, seed):
+def test_commit_references_are_sequential_decoding(model, parents, n_prompt, seed):
     """Committing a root-to-node path leaves layer 0's ring and state as decoding the path's tokens one by one, and
     moves node rows to consecutive positions."""
+    cfg, weights = MODELS[model]
     rng = np.random.default_rng(seed)
     node = int(rng.integers(len(parents)))
     path = [node]
@@ -159,16 +168,16 @@ def test_commit_references_are_sequential_decoding(parents, n_prompt, seed):
         path.append(parents[path[-1]])
     path = path[::-1]
     tree.check_path(parents, path)
-    state, tokens = committed(n_prompt), rng.integers(0, CFG.vocab_size, len(parents)).tolist()
-    x = rms_norm(WEIGHTS["embed_tokens.weight"][tokens], WEIGHTS["layers.0.input_layernorm.weight"], CFG.rms_norm_eps)
-    mixed, p = lin_mixed(x)
+    state, tokens = committed(cfg, weights, n_prompt), rng.integers(0, cfg.vocab_size, len(parents)).tolist()
+    x = rms_norm(weights["embed_tokens.weight"][tokens], weights["layers.0.input_layernorm.weight"], cfg.rms_norm_eps)
+    mixed, p = lin_mixed(weights, x)
     ring, rec = state_to_ring(state.conv[0], n_prompt), state.recurrent[0].transpose(0, 2, 1).copy()
-    _, _, recs = tree.deltanet_reference(CFG, mixed, p["conv1d.weight"][:, 0], p["A_log"], p["dt_bias"], ring, rec,
+    _, _, recs = tree.deltanet_reference(cfg, mixed, p["conv1d.weight"][:, 0], p["A_log"], p["dt_bias"], ring, rec,
                                          parents, n_prompt)
     new_ring, new_rec = tree.deltanet_commit_reference(mixed, ring, rec, recs, path, n_prompt)
     seq = state.copy()
     for n in path:
-        decode_step(WEIGHTS, CFG, tokens[n], seq)
+        decode_step(weights, cfg, tokens[n], seq)
     assert relative_error(ring_to_state(new_ring, n_prompt + len(path)), seq.conv[0]) < 1e-6
     assert relative_error(new_rec.transpose(0, 2, 1), seq.recurrent[0]) < 1e-5
 
