@@ -92,47 +92,68 @@ __device__ __forceinline__ void deltanet_load_state(
         }
 }
 
-// One token's front for an item: causal depthwise conv + SiLU of the channels it reads (q and k of key head kh,
-// the SLICE value channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates.
-// window(ch, t, x) sets x to the raw input of channel ch at the t-th oldest position of the window (t < K-1) and
-// says whether that position exists; seen(c, ch, x) is told every raw input of this token.
+// Causal depthwise conv + SiLU of conv channel ch for one token, its raw input x. window(ch, t) points at the raw
+// input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence.
+template <class M, class Window>
+__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Window window) {
+    constexpr int K = M::LIN_CONV_K;
+    float acc = conv_w[ch * K + K - 1] * x;
+#pragma unroll
+    for (int t = 0; t < K - 1; ++t) {
+        if (const float* y = window(ch, t)) acc += conv_w[ch * K + t] * load_coherent(y);
+    }
+    return silu(acc);
+}
+
+// The sum of squares of x [dk], by one warp (every lane gets it).
+template <class M>
+__device__ __forceinline__ float deltanet_sum_squares(const float* x) {
+    const int lane = threadIdx.x % 32;
+    float ss = 0.f;
+    for (int i = lane; i < M::LIN_DK; i += 32) ss += x[i] * x[i];
+    return warp_sum(ss);
+}
+
+// The l2norm scales (from the sums of squares of q and k) and the gates of value head vh for one token.
+template <class M>
+__device__ __forceinline__ DeltaNetGates deltanet_gates(const float* mixed, const float* a_log, const float* dt_bias,
+                                                        int vh, float q_sum, float k_sum) {
+    constexpr int C = M::LIN_CONV_DIM;
+    DeltaNetGates gt;
+    gt.q_scale = rsqrtf(q_sum + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
+    gt.k_scale = rsqrtf(k_sum + 1e-6f);
+    gt.beta = sigmoid(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh));
+    const float g = -__expf(a_log[vh]) * softplus(load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
+                                                  dt_bias[vh]);
+    gt.decay = __expf(g);
+    return gt;
+}
+
+// One token's front for an item: conv + SiLU of the channels it reads (q and k of key head kh, the SLICE value
+// channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. seen(c, ch, x) is told
+// every raw input of this token.
 template <class M, int THREADS, class Window, class Seen>
 __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, const float* conv_w, const float* a_log,
                                                         const float* dt_bias, int vh, int j0, float* work,
                                                         Window window, Seen seen) {
-    constexpr int DK = M::LIN_DK, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, SLICE = M::LIN_SLICE;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = vh / (M::LIN_HV / M::LIN_HK);
+    constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE;
+    const int warp = threadIdx.x / 32, kh = vh / (M::LIN_HV / M::LIN_HK);
     float* qk = work;             // [2 dk]: q then k after conv + SiLU
     float* v = work + 2 * DK;     // [SLICE]
     float* sums = v + SLICE;      // [2]: sum of squares of q and of k
     for (int c = threadIdx.x; c < 2 * DK + SLICE; c += THREADS) {
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
         const float x = load_coherent(mixed + ch);
-        float acc = conv_w[ch * K + K - 1] * x;
-#pragma unroll
-        for (int t = 0; t < K - 1; ++t) {
-            float y;
-            if (window(ch, t, y)) acc += conv_w[ch * K + t] * y;
-        }
-        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = silu(acc);
+        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = deltanet_conv<M>(conv_w, ch, x, window);
         seen(c, ch, x);
     }
     __syncthreads();
     if (warp < 2) {  // l2norm of q (warp 0) and k (warp 1)
-        float ss = 0.f;
-        for (int i = lane; i < DK; i += 32) ss += qk[warp * DK + i] * qk[warp * DK + i];
-        ss = warp_sum(ss);
-        if (lane == 0) sums[warp] = ss;
+        const float ss = deltanet_sum_squares<M>(qk + warp * DK);
+        if (threadIdx.x % 32 == 0) sums[warp] = ss;
     }
     __syncthreads();
-    DeltaNetGates gt;
-    gt.q_scale = rsqrtf(sums[0] + 1e-6f) * rsqrtf(static_cast<float>(DK));
-    gt.k_scale = rsqrtf(sums[1] + 1e-6f);
-    gt.beta = sigmoid(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh));
-    const float g = -__expf(a_log[vh]) * softplus(load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
-                                                  dt_bias[vh]);
-    gt.decay = __expf(g);
-    return gt;
+    return deltanet_gates<M>(mixed, a_log, dt_bias, vh, sums[0], sums[1]);
 }
 
 // The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
@@ -183,11 +204,9 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
     float* state = L.state + ((size_t)vh * DV + j0) * DK;
     float S[P::WARP_COLS][P::LANE_ROWS];
     deltanet_load_state<M, THREADS>(S, state, pos > 0);  // first: the latency overlaps the convolution
-    const auto window = [&](int ch, int t, float& x) {
+    const auto window = [&](int ch, int t) -> const float* {
         const int p = pos - (K - 1) + t;
-        if (p < 0) return false;
-        x = load_coherent(L.conv_ring + (size_t)(p % K) * C + ch);
-        return true;
+        return p < 0 ? nullptr : L.conv_ring + (size_t)(p % K) * C + ch;
     };
     const auto seen = [&](int c, int ch, float x) {
         if (deltanet_writes_channel<M>(c, vh, slice)) L.conv_ring[(size_t)(pos % K) * C + ch] = x;

@@ -5,7 +5,8 @@
 // (mk_deltanet.cuh, mk_attention.cuh): a 1-node tree is the decode step, so speculative decoding stays lossless.
 //
 // Gated DeltaNet. Node n's recurrence starts from its parent's state. Items (value head, slice of value columns)
-// walk the tree depth-first in a host-made schedule that visits each node's largest child subtree last: a node
+// first compute every node's front (conv, l2norm, gates: independent of the state) in parallel, then run the
+// recurrence, depth-first in a host-made schedule that visits each node's largest child subtree last: a node
 // with several children saves its state to a stack level (shared memory, each thread its own registers' values)
 // that its other children restore, and the last child frees it, so the stack holds at most log2(N) levels (6 at
 // N = 64) and a chain none. Per layer the states then move no bytes beyond the committed state's one read, where
@@ -41,73 +42,96 @@ struct TreeDeltaNet {
     const int* parents;     // [N]
     const int* depth;       // [N]
     const int* schedule;    // [steps] codes (step_node ..)
-    int nodes, steps, start;
+    int nodes, steps, levels, start;  // levels: the stack levels the schedule uses
     float* out;             // [N][Hv * dv] raw head outputs
     unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
 };
 
-// Shared memory of a tree DeltaNet item, in floats: the stack levels, then the work area.
-template <class M, int THREADS, int LEVELS>
+// Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, then per step its gates, its
+// sums of squares of q and k, and its front (q, k and the slice's v after conv + SiLU).
+template <class M, int THREADS>
 struct TreeDeltaNetSmem {
     using P = DeltaNetSplit<M, THREADS>;
     static constexpr int LEVEL = P::WARP_COLS * P::LANE_ROWS * THREADS;
-    static constexpr int WORK = 2 * M::LIN_DK + M::LIN_SLICE + 2;
-    static constexpr int FLOATS = LEVELS * LEVEL + WORK;
+    static constexpr int FRONT = 2 * M::LIN_DK + M::LIN_SLICE;
+    static constexpr int PER_STEP = 4 + 2 + FRONT;
+    static_assert(sizeof(DeltaNetGates) == 16 && LEVEL % 4 == 0, "gates are float4-aligned");
 };
 
-// Item (vh, slice) over the schedule; with `commit` the final state is written back and the ring updated.
-// `ints` holds 3 MAX_NODES + K ints of shared memory (the tree's parents, depth and schedule, a window), `flag` one.
-template <class M, int THREADS, int LEVELS, int MAX_NODES>
+// Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
+// on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
+// barrier. With `commit` the final state is written back and the ring updated. `ints` holds 3 MAX_NODES +
+// MAX_NODES (K-1) ints of shared memory (the tree's parents, depth and schedule, each step's window), `flag` one.
+template <class M, int THREADS, int MAX_NODES>
 __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
     constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, HV = M::LIN_HV;
     using P = DeltaNetSplit<M, THREADS>;
-    using Smem = TreeDeltaNetSmem<M, THREADS, LEVELS>;
-    const int j0 = slice * M::LIN_SLICE;
+    using Smem = TreeDeltaNetSmem<M, THREADS>;
+    constexpr int F = Smem::FRONT;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = vh / (M::LIN_HV / M::LIN_HK);
+    const int j0 = slice * M::LIN_SLICE, steps = T.steps;
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
     float* stack = smem;
-    float* work = smem + LEVELS * Smem::LEVEL;
-    int* parents = ints;                  // the tree in shared memory: a window walks it every step
+    DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + T.levels * Smem::LEVEL);
+    float* sums = reinterpret_cast<float*>(gates + steps);  // [steps][2]
+    float* fronts = sums + 2 * steps;                        // [steps][F]
+    int* parents = ints;
     int* depth = parents + MAX_NODES;
     int* schedule = depth + MAX_NODES;
-    int* window = schedule + MAX_NODES;   // [K - 1]
+    int* windows = schedule + MAX_NODES;  // [steps][K-1] sources, oldest first: a row of mixed (>= 0), a ring slot
+                                          // s (-2 - s) or nothing (-1: before the sequence)
     float S[P::WARP_COLS][P::LANE_ROWS];
-    deltanet_load_state<M, THREADS>(S, state, T.start > 0);
+    deltanet_load_state<M, THREADS>(S, state, T.start > 0);  // first: the latency overlaps the fronts
     for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
         parents[i] = T.parents[i];
         depth[i] = T.depth[i];
     }
-    for (int i = threadIdx.x; i < T.steps; i += THREADS) schedule[i] = T.schedule[i];
+    for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
+    __syncthreads();
+    for (int s = threadIdx.x; s < steps; s += THREADS) {
+        const int node = step_node(schedule[s]), pos = T.start + depth[node];
+        int a = node;
+        for (int d = 1; d < K; ++d) {
+            a = a >= 0 ? parents[a] : -1;
+            windows[s * (K - 1) + K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < steps * F; e += THREADS) {
+        const int s = e / F, c = e % F;
+        const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
+        const int* window = windows + s * (K - 1);
+        const auto from_window = [&](int ch, int t) -> const float* {
+            const int src = window[t];
+            return src == -1 ? nullptr
+                 : src >= 0  ? T.mixed + (size_t)src * T.stride + ch
+                             : T.conv_ring + (size_t)(-2 - src) * C + ch;
+        };
+        const int ch = deltanet_channel<M>(c, kh, vh, j0);
+        fronts[e] = deltanet_conv<M>(T.conv_w, ch, load_coherent(row + ch), from_window);
+    }
+    __syncthreads();
+    for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
+        const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);
+        if (lane == 0) sums[task] = ss;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < steps; s += THREADS)
+        gates[s] = deltanet_gates<M>(T.mixed + (size_t)step_node(schedule[s]) * T.stride, T.a_log, T.dt_bias, vh,
+                                     sums[2 * s], sums[2 * s + 1]);
     __syncthreads();
 
-    for (int s = 0; s < T.steps; ++s) {  // (the previous step's window was read before its front's barriers)
+    for (int s = 0; s < steps; ++s) {
         const int code = schedule[s], node = step_node(code), restore = step_restore(code), save = step_save(code);
-        if (threadIdx.x == 0) {  // the window's sources, oldest first: a row of mixed (>= 0), a ring slot s (-2 - s)
-            const int pos = T.start + depth[node];  // or nothing (-1: before the sequence)
-            int a = node;
-            for (int d = 1; d < K; ++d) {
-                a = a >= 0 ? parents[a] : -1;
-                window[K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
-            }
-        }
         if (restore >= 0)
 #pragma unroll
             for (int w = 0; w < P::WARP_COLS; ++w)
 #pragma unroll
                 for (int r = 0; r < P::LANE_ROWS; ++r)
                     S[w][r] = stack[restore * Smem::LEVEL + (w * P::LANE_ROWS + r) * THREADS + threadIdx.x];
-        __syncthreads();  // the window is set; the previous step's work area is consumed
-        const auto from_window = [&](int ch, int t, float& x) {
-            const int src = window[t];
-            if (src == -1) return false;
-            x = src >= 0 ? load_coherent(T.mixed + (size_t)src * T.stride + ch)
-                         : load_coherent(T.conv_ring + (size_t)(-2 - src) * C + ch);
-            return true;
-        };
-        const DeltaNetGates gt = deltanet_front<M, THREADS>(T.mixed + (size_t)node * T.stride, T.conv_w, T.a_log,
-                                                            T.dt_bias, vh, j0, work, from_window,
-                                                            [](int, int, float) {});
-        deltanet_update<M, THREADS, false>(S, work, gt, nullptr, T.out + (size_t)node * HV * DV + vh * DV + j0);
+        deltanet_update<M, THREADS, false>(S, fronts + s * F, gates[s], nullptr,
+                                           T.out + (size_t)node * HV * DV + vh * DV + j0);
         if (save >= 0)
 #pragma unroll
             for (int w = 0; w < P::WARP_COLS; ++w)
@@ -117,7 +141,6 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     }
     if (!commit) return;
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
     for (int w = 0; w < P::WARP_COLS; ++w)
 #pragma unroll
@@ -127,7 +150,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
         }
     // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps).
     if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
-        for (int s = max(0, T.steps - K); s < T.steps; ++s) {
+        for (int s = max(0, steps - K); s < steps; ++s) {
             const int node = step_node(schedule[s]), slot = (T.start + depth[node]) % K;
             for (int c = threadIdx.x; c < C; c += THREADS)
                 T.conv_ring[(size_t)slot * C + c] = load_coherent(T.mixed + (size_t)node * T.stride + c);

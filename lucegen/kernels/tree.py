@@ -178,11 +178,12 @@ def dn_slice(cfg: ModelConfig) -> int:
     return max(d for d in range(1, min(DN_SLICE, cfg.linear_value_head_dim) + 1) if cfg.linear_value_head_dim % d == 0)
 
 
-def dn_smem(cfg: ModelConfig, levels: int) -> int:
-    """Dynamic shared memory of tree_deltanet (templates/tree.cuh: TreeDeltaNetSmem)."""
+def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
+    """Dynamic shared memory of tree_deltanet for a schedule of `steps` steps using `levels` stack levels
+    (templates/tree.cuh: TreeDeltaNetSmem): the levels, then per step its gates, sums and front."""
     warps, lane_rows = DN_THREADS // 32, -(-cfg.linear_key_head_dim // 32)
     level = -(-dn_slice(cfg) // warps) * lane_rows * DN_THREADS
-    return 4 * (levels * level + 2 * cfg.linear_key_head_dim + dn_slice(cfg) + 2)
+    return 4 * (levels * level + steps * (4 + 2 + 2 * cfg.linear_key_head_dim + dn_slice(cfg)))
 
 
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
@@ -191,7 +192,8 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     if group + 2 > mk.threads // 32:
         return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {mk.threads // 32}"
-    smem = dn_smem(cfg, stack_levels(spec.tuning.ddtree.budget + 1))
+    max_nodes = spec.tuning.ddtree.budget + 1
+    smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
         return f"{spec.name}: the tree DeltaNet stack needs {smem} bytes of shared memory; a block has {spec.chip.smem_per_block}"
     return None
@@ -202,7 +204,6 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
         return []
     mk, cfg = spec.tuning.megakernel, model
     max_nodes = spec.tuning.ddtree.budget + 1
-    levels = stack_levels(max_nodes)
     hexf = lambda v: float(np.float32(v)).hex() + "f"
     params = dict(
         eps=hexf(cfg.rms_norm_eps), inv_freq=[hexf(v) for v in rope_inv_freq(cfg)],
@@ -212,9 +213,9 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
                  min_chunk=2 * (mk.threads // 32)),
         dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=mk.threads, att_blocks=mk.blocks,
-        levels=levels, max_nodes=max_nodes)
+        max_nodes=max_nodes)
     return [KernelUnit("tree", "tree.cu.j2", params, (
-        KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, levels)),
+        KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
         KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", mk.threads),
         KernelSig("tree_kv_commit", KV_THREADS)))]
 
@@ -224,6 +225,7 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
 class DeviceTree:
     """A tree on the device: parents, depth and the DeltaNet schedule (views of the launcher's buffers)."""
     n: int
+    levels: int  # the DeltaNet stack levels its schedule uses
     parents: np.ndarray
     d_parents: object
     d_depth: object
@@ -245,13 +247,12 @@ class TreeKernels:
         self.cfg, self.spec = cfg, spec
         mk = spec.tuning.megakernel
         self.max_nodes = spec.tuning.ddtree.budget + 1
-        self.levels = stack_levels(self.max_nodes)
         self.att_blocks, self.att_threads = mk.blocks, mk.threads
         self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
         self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
-        self.dn_smem = dn_smem(cfg, self.levels)
-        if self.dn_smem > 48 * 1024:
-            self._dn.set_max_dynamic_smem(self.dn_smem)
+        smem = dn_smem(cfg, stack_levels(self.max_nodes), self.max_nodes)
+        if smem > 48 * 1024:
+            self._dn.set_max_dynamic_smem(smem)
         chunks, group = max(1, mk.blocks // cfg.num_key_value_heads), cfg.num_attention_heads // cfg.num_key_value_heads
         part = self.max_nodes * cfg.num_key_value_heads * chunks * group
         self.part_ml = DeviceArray.empty(part * 2, np.float32)
@@ -260,12 +261,12 @@ class TreeKernels:
         # [parents | depth | schedule | path] of a round's tree, then of the 1-node tree
         self.ints = DeviceArray.empty(4 * self.max_nodes + 3, np.int32)
         self.ints.view(3, np.int32, 16 * self.max_nodes).copy_from(np.array([-1, 0, 0], np.int32))
-        self.single = self._views(1, [-1], 4 * self.max_nodes, 1)
+        self.single = self._views(1, 0, [-1], 4 * self.max_nodes, 1)
         self.path = self.ints.view(self.max_nodes, np.int32, 12 * self.max_nodes)
 
-    def _views(self, n: int, parents, first: int, stride: int) -> DeviceTree:
+    def _views(self, n: int, levels: int, parents, first: int, stride: int) -> DeviceTree:
         at = lambda i: self.ints.view(n, np.int32, 4 * (first + i * stride))
-        return DeviceTree(n, np.asarray(parents, np.int32), at(0), at(1), at(2))
+        return DeviceTree(n, levels, np.asarray(parents, np.int32), at(0), at(1), at(2))
 
     def tree(self, parents: Sequence[int]) -> DeviceTree:
         """Upload a round's tree (validated; at most the budget + 1 nodes)."""
@@ -273,8 +274,8 @@ class TreeKernels:
             raise ValueError(f"tree: {len(parents)} nodes; {self.spec.name}'s kernels take at most {self.max_nodes} "
                              f"(DDTree budget {self.max_nodes - 1} + root)")
         depth = depths(parents)
-        codes, _ = schedule(parents)
-        t = self._views(len(parents), parents, 0, self.max_nodes)
+        codes, levels = schedule(parents)
+        t = self._views(len(parents), levels, parents, 0, self.max_nodes)
         for view, a in ((t.d_parents, t.parents), (t.d_depth, depth), (t.d_schedule, codes)):
             view.copy_from(a)
         return t
@@ -285,29 +286,32 @@ class TreeKernels:
         self.path.view(len(path), np.int32).copy_from(np.asarray(path, np.int32))
         return len(path)
 
-    def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, steps, codes, commit, stream):
+    def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, steps, levels, codes, commit,
+                  stream):
         cfg = self.cfg
         grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
         ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
         self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, tree.n, steps, start, out, ticket, int(commit), smem=self.dn_smem, stream=stream)
+                 tree.d_depth, codes, tree.n, steps, levels, start, out, ticket, int(commit),
+                 smem=dn_smem(cfg, levels, steps), stream=stream)
 
     def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int,
                  stream=None) -> None:
         """Raw head outputs out [N, Hv * dv] of every node; the committed ring and state are only read."""
-        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, tree.n, tree.d_schedule, False,
-                       stream)
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, tree.n, tree.levels,
+                       tree.d_schedule, False, stream)
 
     def deltanet_commit(self, tree: DeviceTree, length: int, mixed, conv_w, a_log, dt_bias, ring, state, out,
                         start: int, stream=None) -> None:
         """The accepted path (set_path) replayed into ring and state: they become what decoding its tokens one by
         one leaves. out rows of the path's nodes are rewritten with the same values."""
-        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, length, self.path, True, stream)
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, length, 0, self.path, True,
+                       stream)
 
     def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, stream=None) -> None:
         """The decode step at position start: out [1, Hv * dv]; ring and state advanced."""
         t = self.single
-        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, 1, t.d_schedule, True, stream)
+        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, 1, 0, t.d_schedule, True, stream)
 
     def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, stream=None) -> None:
         """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
