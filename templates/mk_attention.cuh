@@ -134,9 +134,17 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     static_assert(G <= WARPS, "one warp per head");
 }
 
-// One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge.
-template <class M, int THREADS>
-__device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag) {
+// Cache rows by position: the decode step reads position p at row p.
+struct SequenceRows {
+    __device__ __forceinline__ int operator()(int p) const { return p; }
+};
+
+// One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge. The query at
+// `pos` attends positions 0 .. pos, read from cache rows rows(p). With writes_kv the item holding pos first writes
+// this token's K and V to row pos; without, they are in the cache already (a tree verify wrote them).
+template <class M, int THREADS, class Rows = SequenceRows>
+__device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows = {},
+                               bool writes_kv = true) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
     constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
     static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
@@ -163,7 +171,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
     }
     const float* qkv_k = L.qkv + 2 * M::ATT_NH * HD + g * HD;
     const float* qkv_v = L.qkv + 2 * M::ATT_NH * HD + M::ATT_NKV * HD + g * HD;
-    const bool holds_pos = last == n;
+    const bool holds_pos = writes_kv && last == n;
     if (warp < G) head_rmsnorm<HD>(L.qkv + (size_t)(g * G + warp) * 2 * HD, L.q_norm, M::EPS, q + warp * HD);
     if (holds_pos && warp == G) head_rmsnorm<HD>(qkv_k, L.k_norm, M::EPS, k);
     if (holds_pos && warp == G + 1)
@@ -201,7 +209,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
         uint4 kr[PB][CPL], vr[PB][CPL];
 #pragma unroll
         for (int b = 0; b < PB; ++b) {
-            const size_t row = kv_offset<M>(g, min(p0 + b * count, last - 1));
+            const size_t row = kv_offset<M>(g, rows(min(p0 + b * count, last - 1)));
             const uint4* kp = reinterpret_cast<const uint4*>(L.keys + row);
             const uint4* vp = reinterpret_cast<const uint4*>(L.values + row);
 #pragma unroll

@@ -63,83 +63,157 @@ __device__ __forceinline__ void deltanet_prefetch(const DeltaNetLayer& L, int vh
     prefetch_l2(L.dt_bias + vh, sizeof(float));
 }
 
-// One work item, by one block. `work` holds 2 dk + SLICE + 2 floats of shared memory.
+// How an item's threads hold its state slice: warp w owns columns w, w + WARPS, ..; lane l rows l, l + 32, ..
 template <class M, int THREADS>
-__device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos, float* work) {
-    constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, SLICE = M::LIN_SLICE;
-    constexpr int WARPS = THREADS / 32, LANE_ROWS = (DK + 31) / 32, WARP_COLS = (SLICE + WARPS - 1) / WARPS;
-    static_assert(WARPS >= 2 && DV % SLICE == 0 && M::LIN_HV % M::LIN_HK == 0, "DeltaNet split");
+struct DeltaNetSplit {
+    static constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE, WARPS = THREADS / 32;
+    static constexpr int LANE_ROWS = (DK + 31) / 32, WARP_COLS = (SLICE + WARPS - 1) / WARPS;
+    static_assert(WARPS >= 2 && M::LIN_DV % SLICE == 0 && M::LIN_HV % M::LIN_HK == 0, "DeltaNet split");
+};
+
+// The gates and l2norm scales of one token of one item.
+struct DeltaNetGates {
+    float q_scale, k_scale, beta, decay;
+};
+
+// This thread's part of a state slice (SLICE columns of dk, column-major) into registers; zeros when `has` is false.
+template <class M, int THREADS>
+__device__ __forceinline__ void deltanet_load_state(
+        float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* state,
+        bool has) {
+    using P = DeltaNetSplit<M, THREADS>;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int kh = vh / (M::LIN_HV / M::LIN_HK), j0 = slice * SLICE;
+#pragma unroll
+    for (int w = 0; w < P::WARP_COLS; ++w)
+#pragma unroll
+        for (int r = 0; r < P::LANE_ROWS; ++r) {
+            const int j = warp + w * P::WARPS, i = lane + 32 * r;
+            S[w][r] = has && j < P::SLICE && i < P::DK ? load_coherent(state + (size_t)j * P::DK + i) : 0.f;
+        }
+}
+
+// Causal depthwise conv + SiLU of conv channel ch for one token, its raw input x. window(ch, t) points at the raw
+// input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence.
+template <class M, class Window>
+__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Window window) {
+    constexpr int K = M::LIN_CONV_K;
+    float acc = conv_w[ch * K + K - 1] * x;
+#pragma unroll
+    for (int t = 0; t < K - 1; ++t) {
+        if (const float* y = window(ch, t)) acc += conv_w[ch * K + t] * load_coherent(y);
+    }
+    return silu(acc);
+}
+
+// The sum of squares of x [dk], by one warp (every lane gets it).
+template <class M>
+__device__ __forceinline__ float deltanet_sum_squares(const float* x) {
+    const int lane = threadIdx.x % 32;
+    float ss = 0.f;
+    for (int i = lane; i < M::LIN_DK; i += 32) ss += x[i] * x[i];
+    return warp_sum(ss);
+}
+
+// The l2norm scales (from the sums of squares of q and k) and the gates of value head vh for one token.
+template <class M>
+__device__ __forceinline__ DeltaNetGates deltanet_gates(const float* mixed, const float* a_log, const float* dt_bias,
+                                                        int vh, float q_sum, float k_sum) {
+    constexpr int C = M::LIN_CONV_DIM;
+    DeltaNetGates gt;
+    gt.q_scale = rsqrtf(q_sum + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
+    gt.k_scale = rsqrtf(k_sum + 1e-6f);
+    gt.beta = sigmoid(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh));
+    const float g = -__expf(a_log[vh]) * softplus(load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
+                                                  dt_bias[vh]);
+    gt.decay = __expf(g);
+    return gt;
+}
+
+// One token's front for an item: conv + SiLU of the channels it reads (q and k of key head kh, the SLICE value
+// channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. seen(c, ch, x) is told
+// every raw input of this token.
+template <class M, int THREADS, class Window, class Seen>
+__device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, const float* conv_w, const float* a_log,
+                                                        const float* dt_bias, int vh, int j0, float* work,
+                                                        Window window, Seen seen) {
+    constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE;
+    const int warp = threadIdx.x / 32, kh = vh / (M::LIN_HV / M::LIN_HK);
     float* qk = work;             // [2 dk]: q then k after conv + SiLU
     float* v = work + 2 * DK;     // [SLICE]
     float* sums = v + SLICE;      // [2]: sum of squares of q and of k
-    float* state = L.state + ((size_t)vh * DV + j0) * DK;
-
-    // This warp's state columns first: their latency overlaps the convolution.
-    float S[WARP_COLS][LANE_ROWS];
-#pragma unroll
-    for (int w = 0; w < WARP_COLS; ++w)
-#pragma unroll
-        for (int r = 0; r < LANE_ROWS; ++r) {
-            const int j = warp + w * WARPS, i = lane + 32 * r;
-            S[w][r] = pos > 0 && j < SLICE && i < DK ? load_coherent(state + (size_t)j * DK + i) : 0.f;
-        }
-
-    // Causal depthwise conv + SiLU of the channels this item reads; this token's inputs into the ring.
     for (int c = threadIdx.x; c < 2 * DK + SLICE; c += THREADS) {
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
-        const float x = load_coherent(L.mixed + ch);
-        float acc = L.conv_w[ch * K + K - 1] * x;
-#pragma unroll
-        for (int t = 0; t < K - 1; ++t) {
-            const int p = pos - (K - 1) + t;
-            if (p >= 0) acc += L.conv_w[ch * K + t] * load_coherent(L.conv_ring + (size_t)(p % K) * C + ch);
-        }
-        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = silu(acc);
-        if (deltanet_writes_channel<M>(c, vh, slice)) L.conv_ring[(size_t)(pos % K) * C + ch] = x;
+        const float x = load_coherent(mixed + ch);
+        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = deltanet_conv<M>(conv_w, ch, x, window);
+        seen(c, ch, x);
     }
     __syncthreads();
     if (warp < 2) {  // l2norm of q (warp 0) and k (warp 1)
-        float ss = 0.f;
-        for (int i = lane; i < DK; i += 32) ss += qk[warp * DK + i] * qk[warp * DK + i];
-        ss = warp_sum(ss);
-        if (lane == 0) sums[warp] = ss;
+        const float ss = deltanet_sum_squares<M>(qk + warp * DK);
+        if (threadIdx.x % 32 == 0) sums[warp] = ss;
     }
     __syncthreads();
-    const float q_scale = rsqrtf(sums[0] + 1e-6f) * rsqrtf(static_cast<float>(DK));
-    const float k_scale = rsqrtf(sums[1] + 1e-6f);
-    const float beta = sigmoid(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + vh));
-    const float g = -__expf(L.a_log[vh]) * softplus(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
-                                                    L.dt_bias[vh]);
-    const float decay = __expf(g);
+    return deltanet_gates<M>(mixed, a_log, dt_bias, vh, sums[0], sums[1]);
+}
 
-    // Per column j: S = decay S; delta = beta (v_j - S^T k); S += k delta; o_j = S^T q (the updated state).
+// The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
+// S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well.
+template <class M, int THREADS, bool STORE>
+__device__ __forceinline__ void deltanet_update(
+        float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* work,
+        DeltaNetGates gt, float* state, float* out) {
+    using P = DeltaNetSplit<M, THREADS>;
+    constexpr int DK = P::DK;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float* qk = work;
+    const float* v = work + 2 * DK;
 #pragma unroll
-    for (int w = 0; w < WARP_COLS; ++w) {
-        const int j = warp + w * WARPS;
-        if (j >= SLICE) break;
+    for (int w = 0; w < P::WARP_COLS; ++w) {
+        const int j = warp + w * P::WARPS;
+        if (j >= P::SLICE) break;
         float kv = 0.f;
 #pragma unroll
-        for (int r = 0; r < LANE_ROWS; ++r) {
+        for (int r = 0; r < P::LANE_ROWS; ++r) {
             const int i = lane + 32 * r;
-            S[w][r] *= decay;
-            if (i < DK) kv += S[w][r] * (qk[DK + i] * k_scale);
+            S[w][r] *= gt.decay;
+            if (i < DK) kv += S[w][r] * (qk[DK + i] * gt.k_scale);
         }
-        const float delta = (v[j] - warp_sum(kv)) * beta;
+        const float delta = (v[j] - warp_sum(kv)) * gt.beta;
         float o = 0.f;
 #pragma unroll
-        for (int r = 0; r < LANE_ROWS; ++r) {
+        for (int r = 0; r < P::LANE_ROWS; ++r) {
             const int i = lane + 32 * r;
             if (i < DK) {
-                S[w][r] += (qk[DK + i] * k_scale) * delta;
-                o += S[w][r] * (qk[i] * q_scale);
-                state[(size_t)j * DK + i] = S[w][r];
+                S[w][r] += (qk[DK + i] * gt.k_scale) * delta;
+                o += S[w][r] * (qk[i] * gt.q_scale);
+                if (STORE) state[(size_t)j * DK + i] = S[w][r];
             }
         }
         o = warp_sum(o);
-        if (lane == 0) L.out[vh * DV + j0 + j] = o;
+        if (lane == 0) out[j] = o;
     }
+}
+
+// One decode work item, by one block: the token at `pos` reads its window from the conv ring and writes its raw
+// inputs there; the state slice is read and written in place. `work` holds 2 dk + SLICE + 2 floats of shared memory.
+template <class M, int THREADS>
+__device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos, float* work) {
+    constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM;
+    using P = DeltaNetSplit<M, THREADS>;
+    const int j0 = slice * M::LIN_SLICE;
+    float* state = L.state + ((size_t)vh * DV + j0) * DK;
+    float S[P::WARP_COLS][P::LANE_ROWS];
+    deltanet_load_state<M, THREADS>(S, state, pos > 0);  // first: the latency overlaps the convolution
+    const auto window = [&](int ch, int t) -> const float* {
+        const int p = pos - (K - 1) + t;
+        return p < 0 ? nullptr : L.conv_ring + (size_t)(p % K) * C + ch;
+    };
+    const auto seen = [&](int c, int ch, float x) {
+        if (deltanet_writes_channel<M>(c, vh, slice)) L.conv_ring[(size_t)(pos % K) * C + ch] = x;
+    };
+    const DeltaNetGates gt = deltanet_front<M, THREADS>(L.mixed, L.conv_w, L.a_log, L.dt_bias, vh, j0, work, window,
+                                                        seen);
+    deltanet_update<M, THREADS, true>(S, work, gt, state, L.out + vh * DV + j0);
 }
 
 // The gated RMSNorm of the head outputs (weight w [dv], gate z = silu(z)) into shared memory as the staged input of

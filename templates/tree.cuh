@@ -1,0 +1,237 @@
+// tree.cuh: verifying a draft tree of N nodes in one target forward (DDTree, research/algorithms.md §4), per layer,
+// and committing the accepted path. Nodes are topologically ordered (parents[n] < n, parents[0] = -1); node n
+// holds the token at absolute position start + depth[n] and is computed exactly as the decode step at that
+// position after the committed sequence and n's ancestors, with the decode step's own device functions
+// (mk_deltanet.cuh, mk_attention.cuh): a 1-node tree is the decode step, so speculative decoding stays lossless.
+//
+// Gated DeltaNet. Node n's recurrence starts from its parent's state. Items (value head, slice of value columns)
+// first compute every node's front (conv, l2norm, gates: independent of the state) in parallel, then run the
+// recurrence, depth-first in a host-made schedule that visits each node's largest child subtree last: a node
+// with several children saves its state to a stack level (shared memory, each thread its own registers' values)
+// that its other children restore, and the last child frees it, so the stack holds at most log2(N) levels (6 at
+// N = 64) and a chain none. Per layer the states then move no bytes beyond the committed state's one read, where
+// keeping every node's state in global scratch would write and read N of them (64 MiB for Qwen3.5-0.8B at N = 64).
+// Node n's conv window runs along its parent chain (the ancestors' raw inputs, rows of `mixed`) and past the root
+// into the committed conv ring. Commit replays the accepted path, a chain, through the same schedule code with the
+// state written back, and the last block to finish writes the path's raw inputs into the ring.
+//
+// Attention. tree_attention_kv writes node n's K (k_norm, RoPE at start + depth[n]) and V to cache row start + n;
+// tree_attention runs the decode step's flash-decoding item for node n over positions 0 .. start + depth[n],
+// reading position p >= start from the row of n's ancestor at depth p - start (the ancestor mask). Commit moves the
+// accepted rows to start .. start + len - 1.
+#pragma once
+#include "mk_attention.cuh"
+
+namespace lucegen {
+
+// A schedule step, one int: the node (bits 0-15); the stack level its parent's state is restored from, plus one
+// (bits 16-23; 0: the parent is the previous step's node and its state is still in registers); the level the
+// node's state is saved to, plus one (bits 24-30; 0: none).
+__device__ __forceinline__ int step_node(int code) { return code & 0xffff; }
+__device__ __forceinline__ int step_restore(int code) { return (code >> 16 & 0xff) - 1; }
+__device__ __forceinline__ int step_save(int code) { return (code >> 24 & 0x7f) - 1; }
+
+struct TreeDeltaNet {
+    const float* mixed;     // [N][stride] the nodes' in-projections: [q | k | v (conv channels) | z | b | a]
+    int stride;
+    const float* conv_w;    // [conv_dim][K]
+    const float* a_log;     // [Hv]
+    const float* dt_bias;   // [Hv]
+    float* conv_ring;       // [K][conv_dim] committed: read; on commit the path's inputs are written
+    float* state;           // [Hv][dv][dk] committed: read; on commit the last step's state is written
+    const int* parents;     // [N]
+    const int* depth;       // [N]
+    const int* schedule;    // [steps] codes (step_node ..)
+    int nodes, steps, levels, start;  // levels: the stack levels the schedule uses
+    float* out;             // [N][Hv * dv] raw head outputs
+    unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
+};
+
+// Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, then per step its gates, its
+// sums of squares of q and k, and its front (q, k and the slice's v after conv + SiLU).
+template <class M, int THREADS>
+struct TreeDeltaNetSmem {
+    using P = DeltaNetSplit<M, THREADS>;
+    static constexpr int LEVEL = P::WARP_COLS * P::LANE_ROWS * THREADS;
+    static constexpr int FRONT = 2 * M::LIN_DK + M::LIN_SLICE;
+    static constexpr int PER_STEP = 4 + 2 + FRONT;
+    static_assert(sizeof(DeltaNetGates) == 16 && LEVEL % 4 == 0, "gates are float4-aligned");
+};
+
+// Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
+// on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
+// barrier. With `commit` the final state is written back and the ring updated. `ints` holds 3 MAX_NODES +
+// MAX_NODES (K-1) ints of shared memory (the tree's parents, depth and schedule, each step's window), `flag` one.
+template <class M, int THREADS, int MAX_NODES>
+__device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* ints,
+                                   int* flag) {
+    constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, HV = M::LIN_HV;
+    using P = DeltaNetSplit<M, THREADS>;
+    using Smem = TreeDeltaNetSmem<M, THREADS>;
+    constexpr int F = Smem::FRONT;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = vh / (M::LIN_HV / M::LIN_HK);
+    const int j0 = slice * M::LIN_SLICE, steps = T.steps;
+    float* state = T.state + ((size_t)vh * DV + j0) * DK;
+    float* stack = smem;
+    DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + T.levels * Smem::LEVEL);
+    float* sums = reinterpret_cast<float*>(gates + steps);  // [steps][2]
+    float* fronts = sums + 2 * steps;                        // [steps][F]
+    int* parents = ints;
+    int* depth = parents + MAX_NODES;
+    int* schedule = depth + MAX_NODES;
+    int* windows = schedule + MAX_NODES;  // [steps][K-1] sources, oldest first: a row of mixed (>= 0), a ring slot
+                                          // s (-2 - s) or nothing (-1: before the sequence)
+    float S[P::WARP_COLS][P::LANE_ROWS];
+    deltanet_load_state<M, THREADS>(S, state, T.start > 0);  // first: the latency overlaps the fronts
+    for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
+        parents[i] = T.parents[i];
+        depth[i] = T.depth[i];
+    }
+    for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
+    __syncthreads();
+    for (int s = threadIdx.x; s < steps; s += THREADS) {
+        const int node = step_node(schedule[s]), pos = T.start + depth[node];
+        int a = node;
+        for (int d = 1; d < K; ++d) {
+            a = a >= 0 ? parents[a] : -1;
+            windows[s * (K - 1) + K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < steps * F; e += THREADS) {
+        const int s = e / F, c = e % F;
+        const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
+        const int* window = windows + s * (K - 1);
+        const auto from_window = [&](int ch, int t) -> const float* {
+            const int src = window[t];
+            return src == -1 ? nullptr
+                 : src >= 0  ? T.mixed + (size_t)src * T.stride + ch
+                             : T.conv_ring + (size_t)(-2 - src) * C + ch;
+        };
+        const int ch = deltanet_channel<M>(c, kh, vh, j0);
+        fronts[e] = deltanet_conv<M>(T.conv_w, ch, load_coherent(row + ch), from_window);
+    }
+    __syncthreads();
+    for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
+        const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);
+        if (lane == 0) sums[task] = ss;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < steps; s += THREADS)
+        gates[s] = deltanet_gates<M>(T.mixed + (size_t)step_node(schedule[s]) * T.stride, T.a_log, T.dt_bias, vh,
+                                     sums[2 * s], sums[2 * s + 1]);
+    __syncthreads();
+
+    for (int s = 0; s < steps; ++s) {
+        const int code = schedule[s], node = step_node(code), restore = step_restore(code), save = step_save(code);
+        if (restore >= 0)
+#pragma unroll
+            for (int w = 0; w < P::WARP_COLS; ++w)
+#pragma unroll
+                for (int r = 0; r < P::LANE_ROWS; ++r)
+                    S[w][r] = stack[restore * Smem::LEVEL + (w * P::LANE_ROWS + r) * THREADS + threadIdx.x];
+        deltanet_update<M, THREADS, false>(S, fronts + s * F, gates[s], nullptr,
+                                           T.out + (size_t)node * HV * DV + vh * DV + j0);
+        if (save >= 0)
+#pragma unroll
+            for (int w = 0; w < P::WARP_COLS; ++w)
+#pragma unroll
+                for (int r = 0; r < P::LANE_ROWS; ++r)
+                    stack[save * Smem::LEVEL + (w * P::LANE_ROWS + r) * THREADS + threadIdx.x] = S[w][r];
+    }
+    if (!commit) return;
+
+#pragma unroll
+    for (int w = 0; w < P::WARP_COLS; ++w)
+#pragma unroll
+        for (int r = 0; r < P::LANE_ROWS; ++r) {
+            const int j = warp + w * P::WARPS, i = lane + 32 * r;
+            if (j < P::SLICE && i < DK) state[(size_t)j * DK + i] = S[w][r];
+        }
+    // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps).
+    if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
+        for (int s = max(0, steps - K); s < steps; ++s) {
+            const int node = step_node(schedule[s]), slot = (T.start + depth[node]) % K;
+            for (int c = threadIdx.x; c < C; c += THREADS)
+                T.conv_ring[(size_t)slot * C + c] = load_coherent(T.mixed + (size_t)node * T.stride + c);
+        }
+}
+
+struct TreeAttention {
+    const float* qkv;       // [N][stride] the nodes' in-projections: per q head [query | gate], then k, then v
+    int stride;
+    const float* q_norm;    // [head_dim], zero-centred
+    const float* k_norm;
+    bf16* keys;             // this layer's cache [context][n_kv][head_dim]; node n's row at start + n
+    bf16* values;
+    const int* parents;     // [N]
+    const int* depth;       // [N]
+    int nodes, start;
+    float* part_ml;         // [N][n_kv][chunks][G][2]
+    float* part_acc;        // [N][n_kv][chunks][G][head_dim]
+    unsigned* tickets;      // [N][n_kv], zero between uses
+    float* out;             // [N][n_heads * head_dim] gated attention outputs
+};
+
+// Node n's K and V row of kv head g into cache row start + n, as the decode step's item computes its own.
+// `work` holds head_dim + rotary_dim floats.
+template <class M, int THREADS>
+__device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float* work) {
+    constexpr int NH = M::ATT_NH, NKV = M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT;
+    float* k = work;
+    float* cs = k + HD;
+    float* sn = cs + ROT / 2;
+    const int pos = T.start + T.depth[node];
+    for (int i = threadIdx.x; i < ROT / 2; i += THREADS) {
+        const float2 t = cos_sin(static_cast<float>(pos) * M::inv_freq(i));
+        cs[i] = t.x;
+        sn[i] = t.y;
+    }
+    const float* row = T.qkv + (size_t)node * T.stride + 2 * NH * HD;
+    if (threadIdx.x / 32 == 0) head_rmsnorm<HD>(row + g * HD, T.k_norm, M::EPS, k);
+    __syncthreads();
+    rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
+    __syncthreads();
+    const size_t at = kv_offset<M>(g, T.start + node);
+    for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
+        (d < HD ? T.keys : T.values)[at + d % HD] =
+            __float2bfloat16(d < HD ? k[d] : load_coherent(row + NKV * HD + g * HD + d - HD));
+}
+
+// Work item `item` of node n (gridDim.x items per node, as the decode step's grid). `ints` holds 2 N ints.
+// writes_kv (a 1-node tree: the decode step): the item holding the node's position writes its K/V row first, as
+// the decode item does, instead of tree_attention_kv.
+template <class M, int THREADS>
+__device__ void tree_attention_item(const TreeAttention& T, int item, int node, bool writes_kv, float* work, int* ints,
+                                    int* flag) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, NKV = M::ATT_NKV, HD = M::ATT_HD;
+    const int depth = T.depth[node], pos = T.start + depth, start = T.start;
+    if (item >= NKV * attention_chunks<M>(pos + 1, gridDim.x).y) return;
+    int* parents = ints;      // the tree in shared memory, walked from node to the root
+    int* anc = ints + T.nodes;  // [depth + 1] node's ancestors by depth, node last
+    for (int i = threadIdx.x; i < T.nodes; i += THREADS) parents[i] = T.parents[i];
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int d = depth, a = node; d >= 0; --d, a = parents[a]) anc[d] = a;
+    __syncthreads();
+    const size_t chunks = max(1, (int)gridDim.x / NKV);
+    const AttentionLayer L{T.qkv + (size_t)node * T.stride, T.q_norm, T.k_norm, T.keys, T.values,
+                           T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
+                           T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD};
+    attention_item<M, THREADS>(L, item, pos, work, flag, [=](int p) { return p < start ? p : start + anc[p - start]; },
+                               writes_kv);
+}
+
+// Rows start + path[i] to start + i for the accepted path (root first) of kv head g. Each thread owns columns and
+// moves them in path order: path[i] >= i, so a row is read before any move overwrites it.
+template <class M, int THREADS>
+__device__ void tree_kv_commit(bf16* keys, bf16* values, const int* path, int len, int start, int g) {
+    constexpr int HD = M::ATT_HD;
+    for (int d = threadIdx.x; d < 2 * HD; d += THREADS) {
+        bf16* cache = d < HD ? keys : values;
+        for (int i = 1; i < len; ++i)
+            if (path[i] != i) cache[kv_offset<M>(g, start + i) + d % HD] = cache[kv_offset<M>(g, start + path[i]) + d % HD];
+    }
+}
+
+}  // namespace lucegen
