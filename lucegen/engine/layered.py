@@ -138,10 +138,12 @@ class LayeredStep:
         for t in range(m):
             self.argmax(self.logits.view(V, offset_bytes=4 * t * V), self.tokens.view(1, offset_bytes=4 * t),
                         stream=stream)
+        k.advance(self.io, self.tokens, m, stream=stream)
 
     def launch(self, ids: Sequence[int]) -> None:
         """Start a step over `ids` at the state's position (one graph launch, captured on first use of this m);
-        advances the position. Outputs: logits[:m], tokens[:m] once the stream is done (wait())."""
+        advances the position. Outputs: logits[:m], tokens[:m] once the stream is done (wait()); io then holds the
+        next position and tokens[m - 1] (launch_greedy continues from there)."""
         m = len(ids)
         if not 1 <= m <= self.max_tokens:
             raise ValueError(f"a step takes 1 .. {self.max_tokens} tokens; got {m}")
@@ -153,6 +155,18 @@ class LayeredStep:
                                   f"{self.state.max_context} tokens")
         self._io_host = np.concatenate([[self.state.position], ids]).astype(np.int32)  # alive until the copy ran
         self.io.view(1 + m).copy_from(self._io_host, stream=self.stream)
+        self._replay(m)
+
+    def launch_greedy(self, n: int) -> None:
+        """n one-token steps, each on the previous step's argmax (left in io by the step before), without the host:
+        greedy generation after a launch(), or n decode steps timed back to back."""
+        if self.state.position + n > self.state.max_context:
+            raise ContextOverflow(f"{self.state.position} tokens in the state + {n} exceed the context of "
+                                  f"{self.state.max_context} tokens")
+        for _ in range(n):
+            self._replay(1)
+
+    def _replay(self, m: int) -> None:
         if m not in self.graphs:
             with Graph.capture(self.stream) as g:
                 self.enqueue(m, self.stream)

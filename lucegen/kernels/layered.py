@@ -115,7 +115,7 @@ def units(spec: ChipSpec, model: ModelConfig, variants=None) -> list[KernelUnit]
         out.append(KernelUnit(unit_name(fmt.name, tiled), "layered.cu.j2", params, (
             KernelSig("layered_embed", rt), KernelSig("layered_add_rmsnorm", rt), KernelSig("layered_silu_mul", rt),
             KernelSig("layered_place", rt), KernelSig("layered_deltanet", mt), KernelSig("layered_deltanet_norm", mt),
-            KernelSig("layered_attention", mt, dynamic_smem=s.att_smem))))
+            KernelSig("layered_attention", mt, dynamic_smem=s.att_smem), KernelSig("layered_advance", 1))))
     return out
 
 
@@ -128,6 +128,7 @@ class LayerKernels:
         k = lambda name: module.kernel(f"layered_{name}")
         self._embed, self._add_norm, self._silu_mul, self._place = k("embed"), k("add_rmsnorm"), k("silu_mul"), k("place")
         self._deltanet, self._dn_norm, self._attention = k("deltanet"), k("deltanet_norm"), k("attention")
+        self._advance = k("advance")
         if self.shape.att_smem > 48 * 1024:
             self._attention.set_max_dynamic_smem(self.shape.att_smem)
         if cfg.full_layers:
@@ -161,6 +162,10 @@ class LayerKernels:
         self._attention(self.shape.att_blocks, self.shape.mix_threads, qkv, q_norm, k_norm, keys, values,
                         self.part_ml, self.part_acc, self.tickets, out, io, t, smem=self.shape.att_smem,
                         stream=stream)
+
+    def advance(self, io, tokens, m: int, stream=None) -> None:
+        """io = [position + m, tokens[m - 1]]: the next one-token step continues greedily."""
+        self._advance(1, 1, io, tokens, m, stream=stream)
 
     def free(self) -> None:
         for name in ("part_ml", "part_acc", "tickets"):
