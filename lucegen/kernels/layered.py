@@ -22,6 +22,7 @@ from .megakernel import _divisor_at_most, att_in_rows, lin_in_rows, rope_inv_fre
 from .qgemv import fmt_of
 
 ATT_BLOCKS_PER_SM = 2
+MIN_MIX_WARPS = 8
 
 
 # ---- numpy references ----------------------------------------------------------------------------------------
@@ -44,18 +45,16 @@ def place_reference(src: np.ndarray, dst: np.ndarray, off: int) -> np.ndarray:
 
 # ---- shapes ----------------------------------------------------------------------------------------------------
 class Shape:
-    """The launch shape of the mixers on a chip: threads (the megakernel's: the attention item needs a warp per
-    query head of a kv head plus two), DeltaNet items of `dn_slice` value columns (about two items per SM),
-    attention blocks and the least positions per attention item, shared memory of each."""
+    """The launch shape of the mixers on a chip: threads (the attention item needs a warp per query head of a kv
+    head plus two; MIN_MIX_WARPS warps where that is enough, which leaves each thread up to 255 registers),
+    DeltaNet items of `dn_slice` value columns (about two items per SM), attention blocks and the least positions
+    per attention item, shared memory of each."""
 
     def __init__(self, spec: ChipSpec, cfg: ModelConfig):
         self.row_threads = spec.tuning.norm.threads
-        self.mix_threads = spec.tuning.megakernel.threads
-        warps = self.mix_threads // 32
         group = cfg.num_attention_heads // cfg.num_key_value_heads
-        if cfg.full_layers and group + 2 > warps:
-            raise ValueError(f"{cfg.name}: {group} query heads per kv head need {group + 2} warps per block; "
-                             f"{spec.name} gives {warps}")
+        warps = max(MIN_MIX_WARPS, group + 2)
+        self.mix_threads = 32 * warps
         hv, dv, dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
         self.dn_slice = dv // _divisor_at_most(dv, 2 * spec.chip.sm_count // hv)
         self.dn_items = hv * (dv // self.dn_slice)
@@ -70,10 +69,7 @@ class Shape:
 
 def shape_problem(spec: ChipSpec, cfg: ModelConfig) -> str | None:
     """Why the per-layer kernels cannot run this model on this chip, or None."""
-    try:
-        s = Shape(spec, cfg)
-    except ValueError as e:
-        return str(e)
+    s = Shape(spec, cfg)
     if cfg.hidden_size % 8 or cfg.value_dim % 4 or cfg.linear_value_head_dim % 4:
         return f"{cfg.name}: the row kernels need hidden a multiple of 8 and value heads of whole float4 quads"
     if s.att_smem > spec.chip.smem_per_block:
