@@ -164,3 +164,18 @@ def test_row_kernels_match_their_references(gguf):
     from lucegen.model.quants import dequantize
     raw = weights.raw("token_embd.weight")
     np.testing.assert_array_equal(dx.numpy(), dequantize(raw.data[ids], raw.type))
+
+
+def test_the_cuda_backend_runs_a_gguf_through_the_step(tmp_path):
+    """`lucegen run --backend cuda --model x.gguf`: load_model picks the layer-by-layer step for a GGUF file and
+    generates the reference's greedy tokens."""
+    from lucegen.engine.generate import generate as generate_text
+    from lucegen.engine.loader import load_model
+    from lucegen.engine.sampling import SamplingParams
+    paths = make_checkpoint(tmp_path, RATIO3_Q, seed=5, peaked=True, progress=False)  # HF (tokenizer) + GGUF
+    engine, tokenizer = load_model(paths["gguf"], backend="cuda")
+    assert isinstance(engine, LayeredEngine)
+    prompt = tokenizer.encode("def add(a, b):")
+    out = generate_text(engine, tokenizer, prompt, 24, SamplingParams(temperature=0.0), ignore_eos=True)
+    ref = {k: np.asarray(v, np.float32) for k, v in load_gguf(paths["gguf"]).load_all(progress=False).items()}
+    assert list(out.token_ids) == generate(ref, RATIO3_Q, prompt, 24)
