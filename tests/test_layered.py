@@ -115,3 +115,10 @@ def test_an_hf_checkpoint_is_bf16_rows_in_hf_order():
     assert fmt == "bf16"
     np.testing.assert_array_equal(rows, quantize(w["m"], GGMLType.BF16))
     np.testing.assert_array_equal(src.vector("layers.0.linear_attn.dt_bias"), np.arange(4.0, dtype=np.float32))
+
+
+def test_the_bench_limit_counts_kv_rows_and_deltanet_states():
+    from lucegen.bench.decode_gguf import state_bytes_per_token
+    cfg = load_config("qwen3.5-27b")
+    assert state_bytes_per_token(cfg, 0) == 48 * 48 * 128 * 128 * 4 * 2  # 48 DeltaNet layers' states, read + written
+    assert state_bytes_per_token(cfg, 1000) - state_bytes_per_token(cfg, 0) == 16 * 1000 * 4 * 256 * 2 * 2

@@ -222,7 +222,10 @@ class LayeredWeights:
         arrays = [self.final_norm, *(part.w for p in (self.embed, self.lm_head) for part in p.parts)]
         for layer in self.layers:
             for v in layer.values():
-                arrays.extend(part.w for part in v.parts) if isinstance(v, Projection) else arrays.append(v)
+                if isinstance(v, Projection):
+                    arrays.extend(part.w for part in v.parts)
+                else:
+                    arrays.append(v)
         for a in {id(a): a for a in arrays}.values():
             a.free()
 
