@@ -11,8 +11,6 @@ Results: metric tg128_tok_s, model "qwen3.5-27b q4_k_m ctx=N", through Recorder.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..engine.layered import LayeredEngine
 from ..engine.layered_weights import RandomSource
 from ..model.config import load_config

@@ -22,7 +22,7 @@ import numpy as np
 from ..kernels.qgemv import device_weights, fmt_of
 from ..model.config import LINEAR, ModelConfig
 from ..model.gguf_file import GGUFCheckpoint, _retile, gguf_name, split_name
-from ..model.quants import GGMLType, block_shape, quantize
+from ..model.quants import GGMLType, quantize
 from ..runtime.memory import DeviceArray
 
 MATRIX_PARTS = {  # fused projection -> the canonical matrices in its row order

@@ -24,7 +24,6 @@ from lucegen.model.config import tiny_config
 from lucegen.model.gguf_file import load_gguf
 from lucegen.model.weights import open_weights
 from lucegen.reference import State, decode_step, generate, relative_error
-from lucegen.spec import spec_for_current_device
 
 pytestmark = pytest.mark.gpu
 STEP_RTOL = 1e-2
