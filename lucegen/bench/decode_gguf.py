@@ -7,19 +7,24 @@ depend on the values; a real 27B GGUF through the numpy quantizer would take hou
                      token; the limit is the bytes a step must read (every matrix, one embedding row, the KV cache
                      up to N, the DeltaNet states read and written) at the read rate measured in the same run.
 
-Results: metric tg128_tok_s, model "qwen3.5-27b q4_k_m ctx=N", through Recorder.
+    projections      the step's quantized projections alone (one graph of every layer's, M = 1): their time per
+                     token and read rate; the rest of a step is mixers, row kernels and the gaps between ~600 launches
+
+Results: metric tg128_tok_s, model "qwen3.5-27b q4_k_m ctx=N", and step_projections_us, through Recorder.
 """
 from __future__ import annotations
 
 from ..engine.layered import LayeredEngine
 from ..engine.layered_weights import RandomSource
 from ..model.config import load_config
-from ..runtime import Event
+from ..engine.layered_weights import Projection
+from ..runtime import Event, Graph
 from ..spec import spec_for_current_device
 from .gemv import measure_read_gbs
 from .results import Recorder
 
 TG = 128
+WARMUP = 8
 CONTEXTS = (512, 8192, 32768, 131072)
 
 
@@ -36,7 +41,8 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
     spec = spec_for_current_device()
     cfg = load_config(model)
     rec = recorder or Recorder(gpu=spec.name)
-    engine = LayeredEngine(RandomSource(cfg, mix), cfg, spec, max_context=max(contexts) + TG + 1, chunk=1)
+    engine = LayeredEngine(RandomSource(cfg, mix), cfg, spec, max_context=max(contexts) + 1 + WARMUP + TG,
+                           chunk=1)
     step, stream = engine.step, engine.step.stream
     read_gbs = measure_read_gbs(spec, stream)
     weights = engine.weights.matrix_bytes_per_token()
@@ -46,16 +52,39 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
         engine.reset()
         engine.state.position = ctx
         step.launch([1])           # captures the graph; io now feeds the next step
-        step.launch_greedy(8)      # warm-up
+        step.launch_greedy(WARMUP)  # warm-up
         start, end = Event(), Event()
         start.record(stream)
         step.launch_greedy(TG)
         end.record(stream)
         ms = start.elapsed_ms(end)
-        per_token = weights + state_bytes_per_token(cfg, ctx + 9 + TG // 2)
+        per_token = weights + state_bytes_per_token(cfg, ctx + 1 + WARMUP + TG // 2)  # mean context
         limit = read_gbs * 1e9 / per_token
         tok_s = TG / (ms * 1e-3)
         rec.record("tg128_tok_s", f"{cfg.name} {mix} ctx={ctx}", tok_s, "tok/s", limit,
                    ms_per_token=round(ms / TG, 4), bytes_per_token=per_token, read_gbs=round(read_gbs, 1),
                    achieved_gbs=round(per_token * tok_s / 1e9, 1), path="layered step, one CUDA graph a token")
+    proj_us = projections_us(step)
+    proj_bytes = weights - engine.weights.embed.nbytes // cfg.vocab_size
+    rec.record("step_projections_us", f"{cfg.name} {mix}", proj_us, "us", proj_bytes / (read_gbs * 1e3),
+               achieved_gbs=round(proj_bytes / (proj_us * 1e3), 1), bytes=proj_bytes)
     engine.free()
+
+
+def projections_us(step, repeat: int = 20) -> float:
+    """Microseconds of one step's projections alone (M = 1, in one graph), median of `repeat` replays."""
+    c, W = step.cfg, step.weights
+    inputs = {c.hidden_size: step.h, c.value_dim: step.normed, c.num_attention_heads * c.head_dim: step.mix_out,
+              c.intermediate_size: step.act}
+    with Graph.capture(step.stream) as g:
+        for L in W.layers:
+            for P in (p for p in L.values() if isinstance(p, Projection)):
+                step.project(P, inputs[P.k], step.proj, 1, step.stream)
+        step.project(W.lm_head, step.h, step.logits, 1, step.stream)
+    times = []
+    for _ in range(repeat):
+        start, end = Event().record(step.stream), Event()
+        g.launch(step.stream)
+        times.append(start.elapsed_ms(end.record(step.stream)) * 1e3)
+    g.destroy()
+    return sorted(times)[len(times) // 2]
