@@ -122,3 +122,36 @@ def test_the_bench_limit_counts_kv_rows_and_deltanet_states():
     cfg = load_config("qwen3.5-27b")
     assert state_bytes_per_token(cfg, 0) == 48 * 48 * 128 * 128 * 4 * 2  # 48 DeltaNet layers' states, read + written
     assert state_bytes_per_token(cfg, 1000) - state_bytes_per_token(cfg, 0) == 16 * 1000 * 4 * 256 * 2 * 2
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31))
+def test_a_deltanet_layer_in_gguf_order_with_tiled_key_heads_is_the_hf_layer(seed):
+    """What the kernels compute under LIN_TILED (value head j reads key head j % Hk: mk_deltanet.cuh
+    deltanet_key_head), from a GGUF's matrices (llama.cpp's order) and the small tensors as GGUFSource gives them
+    (tiled), equals the reference's DeltaNet layer on HF weights: the order convention is consistent end to end."""
+    from lucegen.reference.deltanet import causal_conv1d, chunk_gated_delta_rule, gated_deltanet
+    from lucegen.reference.ops import rms_norm_gated, sigmoid, silu, softplus
+    from lucegen.reference.weights import random_weights
+    from lucegen.reference.compare import relative_error
+    cfg = tiny_config(linear_num_key_heads=2, linear_num_value_heads=6)
+    pre = "layers.0.linear_attn."
+    w = random_weights(cfg, seed % 1000)
+    rng = np.random.default_rng(seed)
+    T, Hk, Hv, dk, dv = 9, 2, 6, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    expected, _, _ = gated_deltanet({n[len(pre):]: a for n, a in w.items() if n.startswith(pre)}, cfg, x)
+
+    mat = lambda n: convert(cfg, pre + n, w[pre + n], to_gguf=True)  # as the GGUF file holds it
+    vec = lambda n: tiled(cfg, pre + n, np.asarray(w[pre + n], np.float32))  # as GGUFSource gives it
+    conv_state = np.zeros((cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), np.float32)
+    mixed, _ = causal_conv1d(x @ mat("in_proj_qkv.weight").T, vec("conv1d.weight"), conv_state)
+    q, k, v = np.split(silu(mixed), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = np.tile(q.reshape(T, Hk, dk), (1, Hv // Hk, 1))  # value head j <- key head j % Hk
+    k = np.tile(k.reshape(T, Hk, dk), (1, Hv // Hk, 1))
+    beta = sigmoid(x @ mat("in_proj_b.weight").T)
+    g = -np.exp(vec("A_log")) * softplus(x @ mat("in_proj_a.weight").T + vec("dt_bias"))
+    o, _ = chunk_gated_delta_rule(q, k, v.reshape(T, Hv, dv), g, beta, None)
+    o = rms_norm_gated(o, (x @ mat("in_proj_z.weight").T).reshape(T, Hv, dv), vec("norm.weight"), cfg.rms_norm_eps)
+    got = o.reshape(T, -1) @ mat("out_proj.weight").T
+    assert relative_error(got, expected) < 1e-5
