@@ -23,7 +23,7 @@ for stage in $stages; do
                 status=$((status | ${PIPESTATUS[0]})) ;;
         parity) python3 tools/hf_parity.py tiny ratio3 qwen3.5-0.8b --out "$OUT" 2>&1 | tee "$OUT/hf-parity.txt"
                 status=$((status | ${PIPESTATUS[0]})) ;;
-        bench)  for suite in gemv qgemv decode prefill; do
+        bench)  for suite in gemv qgemv decode decode-gguf prefill; do
                     python3 -m lucegen.cli bench $suite --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/bench-$suite.txt"
                     status=$((status | ${PIPESTATUS[0]}))
                 done ;;
