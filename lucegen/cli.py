@@ -107,6 +107,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.suite == "tree":
         from .bench import tree
         tree.run(rec)
+    elif args.suite == "decode-gguf":
+        from .bench import decode_gguf
+        decode_gguf.run(rec)
     print(f"results appended to {rec.out}")
     return 0
 
@@ -123,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("specs", help="list the chip specs").set_defaults(fn=cmd_specs)
     sub.add_parser("doctor", help="check NVRTC, headers, driver and GPU").set_defaults(fn=cmd_doctor)
     bench = sub.add_parser("bench", help="benchmarks on this machine's GPU; results go to results/<gpu>.jsonl")
-    bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode", "energy", "speculative", "prompts",
-                                         "tree"])
+    bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode", "decode-gguf", "energy",
+                                         "speculative", "prompts", "tree"])
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
     bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
     g = bench.add_argument_group("speculative and prompts (any engine backend)")

@@ -80,6 +80,12 @@ struct StagedF32 {
     __device__ __forceinline__ f32x8 operator[](int c) const { return f32x8{quads[c], quads[K / 8 + c]}; }
 };
 
+// A plain fp32 row in global memory with StagedF32's quad(q) interface (the per-layer kernels' outputs).
+struct GlobalQuads {
+    float4* quads;
+    __device__ __forceinline__ float4& quad(int q) const { return quads[q]; }
+};
+
 // Loads of data other blocks of the same launch wrote: served by L2 (the point of coherence), never by a stale L1.
 __device__ __forceinline__ float4 load_coherent(const float4* p) { return __ldcg(p); }
 __device__ __forceinline__ float load_coherent(const float* p) { return __ldcg(p); }

@@ -11,6 +11,7 @@
 // read the old inputs while one of them writes the new ones, without a barrier. Positions before 0 read as zero,
 // and the recurrent state at position 0 reads as zero: a new sequence needs no reset.
 #pragma once
+#include "activation.cuh"
 #include "common.cuh"
 
 namespace lucegen {
@@ -25,10 +26,11 @@ struct DeltaNetLayer {
     float* out;             // [Hv * dv] raw (un-normalised) head outputs
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
-// torch.nn.functional.softplus with beta 1 and threshold 20.
-__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
+// The key head value head vh reads.
+template <class M>
+__device__ __forceinline__ int deltanet_key_head(int vh) {
+    return M::LIN_TILED ? vh % M::LIN_HK : vh / (M::LIN_HV / M::LIN_HK);
+}
 
 // The conv channels one item reads: q and k of key head kh, then its SLICE value channels.
 template <class M>
@@ -43,15 +45,16 @@ __device__ __forceinline__ int deltanet_channel(int c, int kh, int vh, int j0) {
 // of a key head are written by the items of the first value head reading it, spread over its slices.
 template <class M>
 __device__ __forceinline__ bool deltanet_writes_channel(int c, int vh, int slice) {
-    constexpr int RATIO = M::LIN_HV / M::LIN_HK, SLICES = M::LIN_DV / M::LIN_SLICE;
-    return c >= 2 * M::LIN_DK || (vh % RATIO == 0 && c % SLICES == slice);
+    constexpr int SLICES = M::LIN_DV / M::LIN_SLICE;
+    const bool first_of_key_head = M::LIN_TILED ? vh < M::LIN_HK : vh % (M::LIN_HV / M::LIN_HK) == 0;
+    return c >= 2 * M::LIN_DK || (first_of_key_head && c % SLICES == slice);
 }
 
 // The L2 lines item (vh, slice) reads first: its state slice, conv weights and conv-ring inputs, gates' weights.
 template <class M>
 __device__ __forceinline__ void deltanet_prefetch(const DeltaNetLayer& L, int vh, int slice, int pos) {
     constexpr int DK = M::LIN_DK, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM;
-    const int kh = vh / (M::LIN_HV / M::LIN_HK), j0 = slice * M::LIN_SLICE;
+    const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE;
     if (pos > 0) prefetch_l2(L.state + ((size_t)vh * M::LIN_DV + j0) * DK, sizeof(float) * M::LIN_SLICE * DK);
     for (int r = 0; r < 3; ++r) {  // the q, k and value channel runs
         const int first = deltanet_channel<M>(r * DK, kh, vh, j0), count = r < 2 ? DK : M::LIN_SLICE;
@@ -137,7 +140,7 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
                                                         const float* dt_bias, int vh, int j0, float* work,
                                                         Window window, Seen seen) {
     constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE;
-    const int warp = threadIdx.x / 32, kh = vh / (M::LIN_HV / M::LIN_HK);
+    const int warp = threadIdx.x / 32, kh = deltanet_key_head<M>(vh);
     float* qk = work;             // [2 dk]: q then k after conv + SiLU
     float* v = work + 2 * DK;     // [SLICE]
     float* sums = v + SLICE;      // [2]: sum of squares of q and of k

@@ -42,10 +42,11 @@ __device__ __forceinline__ float4 load_quad(const bf16* x, int q) {
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
-// The same zero-centred RMSNorm of one H-wide row (fp32 or bf16) with an fp32 weight, kept in fp32 and written to
-// shared memory as a staged GEMV input. One block; ends with __syncthreads. `scratch` holds THREADS/32 floats.
-template <int H, int THREADS, typename T>
-__device__ void rmsnorm_1p_stage(const T* __restrict__ x, const float* __restrict__ w, float eps, StagedF32<H> out,
+// The same zero-centred RMSNorm of one H-wide row (fp32 or bf16) with an fp32 weight, kept in fp32 and written
+// through out.quad(q) (StagedF32: shared memory as a staged GEMV input; GlobalQuads: an fp32 row in global memory).
+// One block; ends with __syncthreads. `scratch` holds THREADS/32 floats.
+template <int H, int THREADS, typename T, class XS>
+__device__ void rmsnorm_1p_stage(const T* __restrict__ x, const float* __restrict__ w, float eps, XS out,
                                  float* scratch) {
     static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
     constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;

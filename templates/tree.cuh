@@ -69,7 +69,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     using P = DeltaNetSplit<M, THREADS>;
     using Smem = TreeDeltaNetSmem<M, THREADS>;
     constexpr int F = Smem::FRONT;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = vh / (M::LIN_HV / M::LIN_HK);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = deltanet_key_head<M>(vh);
     const int j0 = slice * M::LIN_SLICE, steps = T.steps;
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
     float* stack = smem;

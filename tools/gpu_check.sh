@@ -27,7 +27,7 @@ for stage in $stages; do
                 status=$((status | ${PIPESTATUS[0]})) ;;
         bench)  # speculative: the cuda engine on the tiny checkpoint (its ar rate; the speculative parts once the
                 # cuda engine has speculate()); prompts: only with a real checkpoint (and draft) on the machine
-                for suite in gemv qgemv decode energy prefill "speculative --model tiny" \
+                for suite in gemv qgemv decode decode-gguf energy prefill tree "speculative --model tiny" \
                              ${LUCEGEN_CHECKPOINT:+"prompts --set humaneval --model $LUCEGEN_CHECKPOINT --limit 3 \
                                ${LUCEGEN_DRAFT:+--draft $LUCEGEN_DRAFT --mode ddtree}"}; do
                     python3 -m lucegen.cli bench $suite --results "$OUT/results.jsonl" 2>&1 \

@@ -3,7 +3,8 @@
 Backends are registered by name in BACKENDS: a function (weights, max_context, spec) -> Engine, where `weights`
 is the lazily read checkpoint (lucegen.model.weights.LazyWeights, with .config; a GGUF one also has .raw() for the
 quantized bytes) and `spec` the chip spec name or path given with --spec (None when not given). None marks a
-backend that is planned but not written yet. A DFlash draft (--draft) runs on the numpy backend only, for now.
+backend that is planned but not written yet. The cuda backend runs the decode megakernel where it holds the model
+(bf16) and the layer-by-layer step (engine/layered.py) otherwise, e.g. for a GGUF file. A DFlash draft (--draft) runs on the numpy backend only, for now.
 """
 from __future__ import annotations
 
@@ -29,15 +30,25 @@ def _numpy(weights: LazyWeights, max_context: int | None, spec: str | None) -> E
 
 
 def _cuda(weights: LazyWeights, max_context: int | None, spec: str | None) -> Engine:
-    """The decode megakernel (prompts go through the decode path until the prefill kernels are wired in)."""
+    """The decode megakernel for a bf16 (HF) checkpoint it can hold on this chip; else (a GGUF file, or a model
+    whose rows exceed the megakernel's shared memory) the layer-by-layer step, weights used as loaded."""
+    from ..kernels import megakernel
+    from ..model.gguf_file import GGUFCheckpoint
     from ..runtime import NoDriverError, init
-    from ..spec import load_spec
-    from .decode import DecodeEngine
+    from ..spec import spec_for_current_device
     try:
         init()
     except NoDriverError as e:
         raise LoadError(f"the cuda backend needs an NVIDIA GPU: {e}") from None
-    return DecodeEngine(weights, weights.config, load_spec(spec) if spec else None, max_context)
+    chip = load_spec(spec) if spec else spec_for_current_device()
+    if not isinstance(weights, GGUFCheckpoint) and megakernel.units(chip, weights.config):
+        from .decode import DecodeEngine
+        return DecodeEngine(weights, weights.config, chip, max_context)
+    from .layered import LayeredEngine
+    try:
+        return LayeredEngine(weights, weights.config, chip, max_context)
+    except ValueError as e:
+        raise LoadError(f"{weights.source}: {e}") from None
 
 
 BACKENDS: dict[str, Callable[[LazyWeights, int | None, str | None], Engine] | None] = {

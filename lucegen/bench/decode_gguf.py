@@ -1,0 +1,90 @@
+"""Decode benchmark of the layer-by-layer step (lucegen/engine/layered.py) on Qwen3.5-27B in lucegen's Q4_K_M mix,
+with random quantized weights of the real shapes (random block bytes with valid fp16 scales: speed does not
+depend on the values; a real 27B GGUF through the numpy quantizer would take hours).
+
+    tg128 at ctx N   128 one-token steps from position N (the KV cache and states hold N positions), each step one
+                     graph launch fed by the previous step's argmax on the device, back to back: tok/s, time per
+                     token; the limit is the bytes a step must read (every matrix, one embedding row, the KV cache
+                     up to N, the DeltaNet states read and written) at the read rate measured in the same run.
+
+    projections      the step's quantized projections alone (one graph of every layer's, M = 1): their time per
+                     token and read rate; the rest of a step is mixers, row kernels and the gaps between ~600 launches
+
+Results: metric tg128_tok_s, model "qwen3.5-27b q4_k_m ctx=N", and step_projections_us, through Recorder.
+"""
+from __future__ import annotations
+
+from ..engine.layered import LayeredEngine
+from ..engine.layered_weights import RandomSource
+from ..model.config import load_config
+from ..engine.layered_weights import Projection
+from ..runtime import Event, Graph
+from ..spec import spec_for_current_device
+from .gemv import measure_read_gbs
+from .results import Recorder
+
+TG = 128
+WARMUP = 8
+CONTEXTS = (512, 8192, 32768, 131072)
+
+
+def state_bytes_per_token(cfg, ctx: int) -> int:
+    """KV rows read (bf16 K and V of every position) and DeltaNet state read and written (fp32), per step."""
+    kv = len(cfg.full_layers) * ctx * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    rec = len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_value_head_dim * \
+        cfg.linear_key_head_dim * 4 * 2
+    return kv + rec
+
+
+def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str = "q4_k_m",
+        contexts=CONTEXTS) -> None:
+    spec = spec_for_current_device()
+    cfg = load_config(model)
+    rec = recorder or Recorder(gpu=spec.name)
+    engine = LayeredEngine(RandomSource(cfg, mix), cfg, spec, max_context=max(contexts) + 1 + WARMUP + TG,
+                           chunk=1)
+    step, stream = engine.step, engine.step.stream
+    read_gbs = measure_read_gbs(spec, stream)
+    weights = engine.weights.matrix_bytes_per_token()
+    print(f"spec {spec.name}: read ceiling {read_gbs:.0f} GB/s measured now; {weights / 1e9:.2f} GB of matrices "
+          f"per token ({mix})")
+    for ctx in contexts:
+        engine.reset()
+        engine.state.position = ctx
+        step.launch([1])           # captures the graph; io now feeds the next step
+        step.launch_greedy(WARMUP)  # warm-up
+        start, end = Event(), Event()
+        start.record(stream)
+        step.launch_greedy(TG)
+        end.record(stream)
+        ms = start.elapsed_ms(end)
+        per_token = weights + state_bytes_per_token(cfg, ctx + 1 + WARMUP + TG // 2)  # mean context
+        limit = read_gbs * 1e9 / per_token
+        tok_s = TG / (ms * 1e-3)
+        rec.record("tg128_tok_s", f"{cfg.name} {mix} ctx={ctx}", tok_s, "tok/s", limit,
+                   ms_per_token=round(ms / TG, 4), bytes_per_token=per_token, read_gbs=round(read_gbs, 1),
+                   achieved_gbs=round(per_token * tok_s / 1e9, 1), path="layered step, one CUDA graph a token")
+    proj_us = projections_us(step)
+    proj_bytes = weights - engine.weights.embed.nbytes // cfg.vocab_size
+    rec.record("step_projections_us", f"{cfg.name} {mix}", proj_us, "us", proj_bytes / (read_gbs * 1e3),
+               achieved_gbs=round(proj_bytes / (proj_us * 1e3), 1), bytes=proj_bytes)
+    engine.free()
+
+
+def projections_us(step, repeat: int = 20) -> float:
+    """Microseconds of one step's projections alone (M = 1, in one graph), median of `repeat` replays."""
+    c, W = step.cfg, step.weights
+    inputs = {c.hidden_size: step.h, c.value_dim: step.normed, c.num_attention_heads * c.head_dim: step.mix_out,
+              c.intermediate_size: step.act}
+    with Graph.capture(step.stream) as g:
+        for L in W.layers:
+            for P in (p for p in L.values() if isinstance(p, Projection)):
+                step.project(P, inputs[P.k], step.proj, 1, step.stream)
+        step.project(W.lm_head, step.h, step.logits, 1, step.stream)
+    times = []
+    for _ in range(repeat):
+        start, end = Event().record(step.stream), Event()
+        g.launch(step.stream)
+        times.append(start.elapsed_ms(end.record(step.stream)) * 1e3)
+    g.destroy()
+    return sorted(times)[len(times) // 2]

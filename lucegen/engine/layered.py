@@ -1,0 +1,245 @@
+"""The layer-by-layer step: M consecutive tokens (M = 1: a decode step; M > 1: a prompt chunk or a chain verify)
+through every layer with per-layer kernels, then the final norm, the LM head and the argmax of every token, in the
+DeviceState layout (lucegen/engine/state.py). For models the decode megakernel cannot hold: weights used as loaded
+(lucegen/engine/layered_weights.py: GGUF bytes, or an HF checkpoint's bf16).
+
+One step over m tokens at positions p .. p+m-1 (rows fp32, [m, width]):
+    x = embed(ids)                                             (a gather that decodes the embedding's format)
+    per layer:  h = rmsnorm(x (+= y, the previous layer's down projection))
+      DeltaNet: mixed = h [in_qkv | z | b | a]^T -> the mixer (conv ring, recurrent state) -> o
+                -> gated RMSNorm with z -> y = . out^T
+      attention: qkv = h [q (query, gate) | k | v]^T -> the mixer (K/V into the cache, attention, gate) -> y = . o^T
+      MLP:      h = rmsnorm(x += y) -> gu = h [gate | up]^T -> act = silu(gate) up -> y = act down^T
+    h = rmsnorm(x += y) with the final norm; logits = h lm_head^T; tokens = argmax per row
+Projections are qgemv.QMatmul (the GEMV for m = 1, the small-M GEMM otherwise; a GEMM row is bit for bit the GEMV
+of that row). The mixer is its own small part (DecodeMixer): token by token through the decode megakernel's
+device functions, so an M-token step is M decode steps' arithmetic exactly, as speculative verification needs.
+
+The step reads its position and token ids from the device (io = [position, ids...]) and is captured once per m in
+a CUDA graph: a step is one graph launch, with no host round trip inside it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..codegen.build import BUILD_DIR, build
+from ..kernels import argmax, layered, qgemv
+from ..model.config import LINEAR, ModelConfig
+from ..model.gguf_file import GGUFCheckpoint
+from ..runtime import DeviceArray, Graph, Stream
+from ..spec import ChipSpec, spec_for_current_device
+from .base import ContextOverflow
+from .layered_weights import GGUFSource, LayeredWeights, Projection, Source
+from .state import DeviceState
+
+
+def units(spec: ChipSpec, cfg: ModelConfig, weights: LayeredWeights):
+    """Every kernel a step over `weights` launches on `spec`."""
+    return [*layered.units(spec, cfg, [(weights.embed.parts[0].fmt, weights.tiled)]),
+            *qgemv.units(spec, cfg, weights.pairs()), *argmax.units(spec, cfg)]
+
+
+class DecodeMixer:
+    """The token mixers of the step: one launch per token of the decode megakernel's DeltaNet / attention item,
+    each token after the previous one (its state updates and K/V rows in place)."""
+
+    def __init__(self, kernels: layered.LayerKernels):
+        self.k = kernels
+
+    def linear(self, L: Mapping, state: DeviceState, i: int, mixed, out, io, m: int, stream) -> None:
+        for t in range(m):
+            self.k.deltanet(mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], state.recurrent[i], out, io,
+                            t, stream=stream)
+
+    def full(self, L: Mapping, state: DeviceState, i: int, qkv, out, io, m: int, stream) -> None:
+        for t in range(m):
+            self.k.attention(qkv, L["q_norm"], L["k_norm"], state.keys[i], state.values[i], out, io, t,
+                             stream=stream)
+
+
+class LayeredStep:
+    """step(ids) over a DeviceState: logits [m, vocab] and tokens [m] (argmax) on the device, for up to
+    `max_tokens` tokens a step."""
+
+    def __init__(self, spec: ChipSpec, weights: LayeredWeights, state: DeviceState, max_tokens: int = 16,
+                 root: Path = BUILD_DIR):
+        cfg = self.cfg = weights.cfg
+        if problem := layered.shape_problem(spec, cfg):
+            raise ValueError(problem)
+        self.spec, self.weights, self.state, self.max_tokens = spec, weights, state, max_tokens
+        result = build(spec, cfg, units(spec, cfg, weights), root=root)
+        mod = lambda name: result.module(name)
+        self.kernels = layered.LayerKernels(mod(layered.unit_name(weights.embed.parts[0].fmt, weights.tiled)), spec,
+                                            cfg)
+        self.mixer = DecodeMixer(self.kernels)
+        qmods = {}
+        self.mm = {}
+        for fmt, k in weights.pairs():
+            qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
+            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
+        self.argmax = argmax.Argmax(mod("argmax"), spec)
+        self.stream = Stream()
+        self.graphs: dict[int, Graph] = {}
+        self._allocate(max_tokens)
+
+    def _allocate(self, n: int) -> None:
+        c, W = self.cfg, self.weights
+        projs = [W.lm_head, *(p for L in W.layers for p in L.values() if isinstance(p, Projection))]
+        width = max(p.n for p in projs if p is not W.lm_head)
+        part = max((q.n for p in projs if len(p.parts) > 1 for q in p.parts), default=1)
+        self.io = DeviceArray.zeros(1 + n, np.int32)
+        self.x, self.h, self.y = (DeviceArray.empty((n, c.hidden_size), np.float32) for _ in range(3))
+        self.proj = DeviceArray.empty((n, width), np.float32)
+        self.part = DeviceArray.empty((n, part), np.float32)
+        self.mix_out = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), np.float32)
+        self.normed = DeviceArray.empty((n, c.value_dim), np.float32)
+        self.act = DeviceArray.empty((n, c.intermediate_size), np.float32)
+        self.logits = DeviceArray.empty((n, c.vocab_size), np.float32)
+        self.tokens = DeviceArray.empty(n, np.int32)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream) -> None:
+        """y [m, P.n] = x [m, P.k] P^T: each part straight into its columns when it has all of them or m = 1,
+        else through the part buffer and a placing kernel."""
+        for part in P.parts:
+            op = self.mm[part.fmt, P.k]
+            if len(P.parts) == 1 or m == 1:
+                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream)
+            else:
+                op(part.w, x, self.part, part.n, m, stream=stream)
+                self.kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
+
+    def enqueue(self, m: int, stream) -> None:
+        """Every launch of a step over the m tokens of io (position and ids already on the device)."""
+        c, W, k, st = self.cfg, self.weights, self.kernels, self.state
+        k.embed(W.embed.parts[0].w, self.io, self.x, m, stream=stream)
+        for i, kind in enumerate(c.layer_types):
+            L = W.layers[i]
+            k.add_rmsnorm(self.x, None if i == 0 else self.y, L["ln1"], self.h, m, stream=stream)
+            if kind == LINEAR:
+                self.project(L["lin_in"], self.h, self.proj, m, stream)
+                self.mixer.linear(L, st, i, self.proj, self.mix_out, self.io, m, stream)
+                k.deltanet_norm(self.mix_out, self.proj, L["norm"], self.normed, m, stream=stream)
+                self.project(L["lin_out"], self.normed, self.y, m, stream)
+            else:
+                self.project(L["att_in"], self.h, self.proj, m, stream)
+                self.mixer.full(L, st, i, self.proj, self.mix_out, self.io, m, stream)
+                self.project(L["att_out"], self.mix_out, self.y, m, stream)
+            k.add_rmsnorm(self.x, self.y, L["ln2"], self.h, m, stream=stream)
+            self.project(L["gate_up"], self.h, self.proj, m, stream)
+            k.silu_mul(self.proj, self.act, m, stream=stream)
+            self.project(L["down"], self.act, self.y, m, stream)
+        k.add_rmsnorm(self.x, self.y, W.final_norm, self.h, m, stream=stream)
+        V = c.vocab_size
+        self.project(W.lm_head, self.h, self.logits, m, stream)
+        for t in range(m):
+            self.argmax(self.logits.view(V, offset_bytes=4 * t * V), self.tokens.view(1, offset_bytes=4 * t),
+                        stream=stream)
+        k.advance(self.io, self.tokens, m, stream=stream)
+
+    def launch(self, ids: Sequence[int]) -> None:
+        """Start a step over `ids` at the state's position (one graph launch, captured on first use of this m);
+        advances the position. Outputs: logits[:m], tokens[:m] once the stream is done (wait()); io then holds the
+        next position and tokens[m - 1] (launch_greedy continues from there)."""
+        m = len(ids)
+        if not 1 <= m <= self.max_tokens:
+            raise ValueError(f"a step takes 1 .. {self.max_tokens} tokens; got {m}")
+        ids = np.asarray(ids, np.int64)
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0 .. {self.cfg.vocab_size - 1}")
+        if self.state.position + m > self.state.max_context:
+            raise ContextOverflow(f"{self.state.position} tokens in the state + {m} exceed the context of "
+                                  f"{self.state.max_context} tokens")
+        self._io_host = np.concatenate([[self.state.position], ids]).astype(np.int32)  # alive until the copy ran
+        self.io.view(1 + m).copy_from(self._io_host, stream=self.stream)
+        self._replay(m)
+
+    def launch_greedy(self, n: int) -> None:
+        """n one-token steps, each on the previous step's argmax (left in io by the step before), without the host:
+        greedy generation after a launch(), or n decode steps timed back to back."""
+        if self.state.position + n > self.state.max_context:
+            raise ContextOverflow(f"{self.state.position} tokens in the state + {n} exceed the context of "
+                                  f"{self.state.max_context} tokens")
+        for _ in range(n):
+            self._replay(1)
+
+    def _replay(self, m: int) -> None:
+        if m not in self.graphs:
+            with Graph.capture(self.stream) as g:
+                self.enqueue(m, self.stream)
+            self.graphs[m] = g
+        self.graphs[m].launch(self.stream)
+        self.state.position += m
+
+    def wait(self) -> None:
+        self.stream.synchronize()
+
+    def free(self) -> None:
+        for g in self.graphs.values():
+            g.destroy()
+        for a in (self.io, self.x, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
+                  self.logits, self.tokens):
+            a.free()
+        self.kernels.free()
+        self.stream.destroy()
+
+
+def weight_source(weights: Mapping[str, np.ndarray] | Source, config: ModelConfig) -> Source:
+    """The Source of a checkpoint: a GGUF file as stored, an HF one in bf16 (already a Source: itself)."""
+    if isinstance(weights, Source):
+        return weights
+    return GGUFSource(weights) if isinstance(weights, GGUFCheckpoint) else Source(weights, config)
+
+
+class LayeredEngine:
+    """One sequence through the layer-by-layer step (the Engine interface): prompts in chunks of up to
+    `chunk` tokens, then one step per generated token."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray] | Source, config: ModelConfig,
+                 spec: ChipSpec | None = None, max_context: int | None = None, chunk: int = 16,
+                 build_root: Path = BUILD_DIR):
+        self.config = config
+        self.spec = spec or spec_for_current_device()
+        self.max_context = min(max_context or self.spec.tuning.max_context, config.max_position_embeddings)
+        self.weights = LayeredWeights(weight_source(weights, config))
+        self.state = DeviceState(config, self.max_context)
+        self.step = LayeredStep(self.spec, self.weights, self.state, chunk, build_root)
+
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def run(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One step over ids: (logits [m, vocab], argmax [m])."""
+        self.step.launch(ids)
+        self.step.wait()
+        m = len(ids)
+        return self.step.logits.view((m, self.config.vocab_size)).numpy(), self.step.tokens.view(m).numpy()
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        if not len(tokens):
+            raise ValueError("no tokens to prefill")
+        if self.position + len(tokens) > self.max_context:
+            raise ContextOverflow(f"{self.position} tokens in the state + {len(tokens)} exceed the context of "
+                                  f"{self.max_context} tokens")
+        n = self.step.max_tokens
+        for c0 in range(0, len(tokens), n):
+            chunk = tokens[c0:c0 + n]
+            self.step.launch(chunk)
+        self.step.wait()
+        V = self.config.vocab_size
+        return self.step.logits.view(V, offset_bytes=4 * (len(chunk) - 1) * V).numpy()
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.run([token])[0][0]
+
+    def free(self) -> None:
+        self.step.free()
+        self.state.free()
+        self.weights.free()

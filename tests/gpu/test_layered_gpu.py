@@ -1,0 +1,180 @@
+"""The layer-by-layer step (lucegen/engine/layered.py) on the GPU against the numpy reference, on a scaled-down
+Qwen3.5 with the 27B's head ratios and head dims (3 DeltaNet value heads per key head, 6 query heads per kv head,
+128-wide heads) read from GGUF Q4_K_M-mix and bf16 HF checkpoints written by lucegen.model.checkpoint; and its
+row kernels against their numpy references.
+
+The reference runs on the checkpoint's own values (the GGUF dequantized; HF bf16 as float32), so weights are no
+source of error. Outputs and the state are poisoned (all bits set: NaN) before the runs, so an element a kernel
+fails to write, or state it must not read, shows.
+
+Tolerance of whole steps (relative error of the logits): STEP_RTOL = 1e-2, the decode megakernel's for its ratio3
+model (tests/gpu/test_megakernel_gpu.py): the step runs the megakernel's mixers with the same bf16 KV cache, the
+one deliberate departure from the fp32 reference (a numpy run that rounds its cache to bf16 moved ratio3's
+logits by up to 3.3e-3); everything else is fp32. A wrong index, position, head order or state is off by O(0.1..1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lucegen.engine.layered import LayeredEngine
+from lucegen.kernels import layered
+from lucegen.model.checkpoint import make_checkpoint
+from lucegen.model.config import tiny_config
+from lucegen.model.gguf_file import load_gguf
+from lucegen.model.weights import open_weights
+from lucegen.reference import State, decode_step, generate, relative_error
+
+pytestmark = pytest.mark.gpu
+STEP_RTOL = 1e-2
+ROW_RTOL = 1e-6
+
+# the 27B's ratios and head dims at hidden 256 (every matrix a whole number of Q4_K blocks, so the Q4_K_M mix
+# applies without fallbacks: Q4_K, with Q6_K for the LM head and for attn_qkv / attn_v / ffn_down on the
+# use_more_bits layers, which makes fused projections of two formats)
+RATIO3_Q = tiny_config(name="ratio3q", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                       num_attention_heads=6, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
+                       linear_num_value_heads=6, linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
+    d = tmp_path_factory.mktemp(f"ratio3q-{fmt}-{int(peaked)}")
+    paths = make_checkpoint(d, RATIO3_Q, seed=11, peaked=peaked, formats=(fmt,), progress=False, tokenizer=False)
+    weights = load_gguf(paths["gguf"]) if fmt == "gguf" else open_weights(paths["hf"])
+    return weights, {k: np.asarray(v, np.float32) for k, v in weights.load_all(progress=False).items()}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "gguf", peaked=False)
+
+
+def poison(engine: LayeredEngine) -> None:
+    st, step = engine.state, engine.step
+    for table in (st.conv, st.recurrent, st.keys, st.values):
+        for a in table.values():
+            a.fill_bytes(0xFF)
+    for a in (step.x, step.h, step.y, step.proj, step.part, step.mix_out, step.normed, step.act, step.logits,
+              step.tokens):
+        a.fill_bytes(0xFF)
+
+
+def run_chunks(engine: LayeredEngine, tokens, m: int) -> np.ndarray:
+    """Logits of every token, stepping m tokens at a time."""
+    return np.concatenate([engine.run(tokens[i:i + m])[0] for i in range(0, len(tokens), m)])
+
+
+def reference_logits(weights, tokens) -> np.ndarray:
+    state = State()
+    return np.stack([decode_step(weights, RATIO3_Q, int(t), state) for t in tokens])
+
+
+def check(engine: LayeredEngine, ref_weights, tokens, m: int) -> None:
+    poison(engine)
+    engine.reset()
+    out = run_chunks(engine, tokens, m)
+    ref = reference_logits(ref_weights, tokens)
+    errs = [relative_error(out[i], ref[i]) for i in range(len(tokens))]
+    worst = int(np.argmax(errs))
+    assert errs[worst] < STEP_RTOL, f"position {worst}: relative error {errs[worst]:.2e} (m = {m})"
+    assert engine.position == len(tokens)
+
+
+def test_gguf_steps_match_the_reference_over_a_prompt_and_64_steps_past_it(gguf):
+    """A 20-token prompt in steps of 16 and 4 tokens, then 64 single steps (positions 20 .. 83)."""
+    weights, ref = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=16)
+    tokens = np.random.default_rng(1).integers(0, RATIO3_Q.vocab_size, 84)
+    poison(engine)
+    prompt = engine.run(tokens[:16])[0], engine.run(tokens[16:20])[0]
+    steps = [engine.run(tokens[i:i + 1])[0] for i in range(20, 84)]
+    out = np.concatenate([*prompt, *steps])
+    expected = reference_logits(ref, tokens)
+    errs = [relative_error(out[i], expected[i]) for i in range(len(tokens))]
+    worst = int(np.argmax(errs))
+    assert errs[worst] < STEP_RTOL, f"position {worst}: relative error {errs[worst]:.2e}"
+
+
+def test_an_m_token_step_equals_m_single_steps(gguf):
+    """Bit for bit: the GEMM row is the GEMV of that row, the mixers run token by token, the rest is per row."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=8)
+    tokens = np.random.default_rng(2).integers(0, RATIO3_Q.vocab_size, 24)
+    poison(engine)
+    engine.reset()
+    many = run_chunks(engine, tokens, 8)
+    many_tokens = engine.step.tokens.view(8).numpy()
+    poison(engine)
+    engine.reset()
+    single = run_chunks(engine, tokens, 1)
+    np.testing.assert_array_equal(many, single)
+    np.testing.assert_array_equal(many_tokens, single[-8:].argmax(-1))
+
+
+def test_greedy_tokens_equal_the_reference_on_a_peaked_gguf(tmp_path_factory):
+    weights, ref = checkpoint(tmp_path_factory, "gguf", peaked=True)
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, RATIO3_Q.vocab_size, 7)]
+    poison(engine)
+    engine.reset()
+    out, logits = [], engine.prefill(prompt)
+    for _ in range(24):
+        out.append(int(np.argmax(logits)))
+        logits = engine.decode(out[-1])
+    assert out == generate(ref, RATIO3_Q, prompt, 24)
+
+
+def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
+    """HF's grouped value-head order and bf16 matrices (qgemv's bf16 format)."""
+    weights, ref = checkpoint(tmp_path_factory, "hf", peaked=False)
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=4)
+    check(engine, ref, np.random.default_rng(4).integers(0, RATIO3_Q.vocab_size, 40), 4)
+
+
+# ---- row kernels ------------------------------------------------------------------------------------------------
+def test_row_kernels_match_their_references(gguf):
+    from lucegen.runtime import DeviceArray
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=64)
+    k, cfg, m = engine.step.kernels, RATIO3_Q, 5
+    rng = np.random.default_rng(6)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    x, y = rng.standard_normal((m, H), np.float32), rng.standard_normal((m, H), np.float32)
+    w = rng.standard_normal(H, np.float32) * np.float32(0.1)
+    dx, dy, dw = DeviceArray.from_numpy(x), DeviceArray.from_numpy(y), DeviceArray.from_numpy(w)
+    dh = DeviceArray.empty((m, H), np.float32)
+    dh.fill_bytes(0xFF)
+    k.add_rmsnorm(dx, dy, dw, dh, m)
+    x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
+    assert relative_error(dx.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
+    gu = rng.standard_normal((m, 2 * I), np.float32)
+    dgu, dact = DeviceArray.from_numpy(gu), DeviceArray.empty((m, I), np.float32)
+    dact.fill_bytes(0xFF)
+    k.silu_mul(dgu, dact, m)
+    assert relative_error(dact.numpy(), layered.silu_mul_reference(gu)) < ROW_RTOL
+    src, dst = rng.standard_normal((m, 7), np.float32), rng.standard_normal((m, 20), np.float32)
+    dsrc, ddst = DeviceArray.from_numpy(src), DeviceArray.from_numpy(dst)
+    k.place(dsrc, ddst, 7, 20, 9, m)
+    np.testing.assert_array_equal(ddst.numpy(), layered.place_reference(src, dst, 9))
+    ids = rng.integers(0, cfg.vocab_size, m)
+    io = DeviceArray.from_numpy(np.concatenate([[0], ids]).astype(np.int32))
+    dx.fill_bytes(0xFF)
+    k.embed(engine.weights.embed.parts[0].w, io, dx, m)
+    from lucegen.model.quants import dequantize
+    raw = weights.raw("token_embd.weight")
+    np.testing.assert_array_equal(dx.numpy(), dequantize(raw.data[ids], raw.type))
+
+
+def test_the_cuda_backend_runs_a_gguf_through_the_step(tmp_path):
+    """`lucegen run --backend cuda --model x.gguf`: load_model picks the layer-by-layer step for a GGUF file and
+    generates the reference's greedy tokens."""
+    from lucegen.engine.generate import generate as generate_text
+    from lucegen.engine.loader import load_model
+    from lucegen.engine.sampling import SamplingParams
+    paths = make_checkpoint(tmp_path, RATIO3_Q, seed=5, peaked=True, progress=False)  # HF (tokenizer) + GGUF
+    engine, tokenizer = load_model(paths["gguf"], backend="cuda")
+    assert isinstance(engine, LayeredEngine)
+    prompt = tokenizer.encode("def add(a, b):")
+    out = generate_text(engine, tokenizer, prompt, 24, SamplingParams(temperature=0.0), ignore_eos=True)
+    ref = {k: np.asarray(v, np.float32) for k, v in load_gguf(paths["gguf"]).load_all(progress=False).items()}
+    assert list(out.token_ids) == generate(ref, RATIO3_Q, prompt, 24)
