@@ -7,10 +7,20 @@
 //   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
 //   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
 //   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
-//   F::run(piece, r, w) the run's 8 values.
+//   F::run(piece, r, w) the run's 8 values,
+//   F::XB               bytes of activations per block, as the products read them (below),
+//   F::dot(piece, x)    the piece's contribution to a dot product with activations x (the block's XB bytes).
 // Per value the decode gives the bits numpy gives in quants.py, signed zeros included: fl(d * q) (Q8_0, Q4_0),
 // fl(fl(d * sc) * q) (Q6_K), fl(fl(fl(d * sc) * q) - fl(dmin * m)) (Q4_K, Q5_K; one FFMA, see FmtK4::run). The
 // _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
+//
+// Products. bf16 rows multiply fp32 activations (XB = 32: the block's 8 floats) in fp32, in dot8_bf16's order.
+// The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1):
+// integer dot products (dp4a) per group of values sharing one weight scale and one activation scale, then
+//   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0, Q6_K; u = sum of (q - offset) * qx, a the weight scale)
+//   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K;       u = sum of q * qx, b the min, v = sum of qx)
+// and the piece's contribution is its groups' t summed in order in fp32. Every integer is exact (|u| < 2^24, so
+// its conversion to float is too). lucegen/kernels/qgemv.py emulates this in numpy (emulate), bit for bit.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -55,6 +65,75 @@ __device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (
     }
 }
 
+// 8 decoded weights dot 8 activations in fp32, in dot8_bf16's order.
+__device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
+    float acc = w[0] * x.lo.x;
+    acc = fmaf(w[1], x.lo.y, acc);
+    acc = fmaf(w[2], x.lo.z, acc);
+    acc = fmaf(w[3], x.lo.w, acc);
+    acc = fmaf(w[4], x.hi.x, acc);
+    acc = fmaf(w[5], x.hi.y, acc);
+    acc = fmaf(w[6], x.hi.z, acc);
+    return fmaf(w[7], x.hi.w, acc);
+}
+
+// ---- activations quantized per 32 values ----------------------------------------------------------------------
+// qx = rint(x / dx) with dx = max|x| / 127 (0 where all 32 are 0), two sums of 16 qx each (the mins of the K-quants
+// multiply them). 48 bytes, so that a row of them is whole 16-byte words.
+struct alignas(16) XBlock {
+    int q[8];  // 32 int8, little-endian in 8 words
+    float d;
+    int s[2];  // s[h] = qx[16h] + ... + qx[16h + 15]
+    int pad;
+};
+static_assert(sizeof(XBlock) == 48, "XBlock is three 16-byte words");
+
+// 32 fp32 values (16-byte aligned) -> their XBlock.
+__device__ __forceinline__ XBlock quantize_xblock(const float* x) {
+    float v[32];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float4 f = reinterpret_cast<const float4*>(x)[i];
+        v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    XBlock b;
+    b.d = __fdiv_rn(amax, 127.f);
+    b.s[0] = b.s[1] = 0;
+    b.pad = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        unsigned word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[4 * w + i], b.d));
+            b.s[w / 4] += q;
+            word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
+        }
+        b.q[w] = static_cast<int>(word);
+    }
+    return b;
+}
+
+// The sum of 4 n-word runs' products of bytes (signed): words w[i] with words x[i].
+template <int N>
+__device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int* x) {
+    int u = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) u = __dp4a(static_cast<int>(w[i]), x[i], u);
+    return u;
+}
+
+// t = fl(dx * fl(a * u)) and t = fl(dx * fl(fl(a * u) - fl(b * v))): a group's contribution (see the top).
+__device__ __forceinline__ float group_term(float dx, float a, int u) {
+    return __fmul_rn(dx, __fmul_rn(a, static_cast<float>(u)));
+}
+__device__ __forceinline__ float group_term(float dx, float a, int u, float b, int v) {
+    return __fmul_rn(dx, __fsub_rn(__fmul_rn(a, static_cast<float>(u)), __fmul_rn(b, static_cast<float>(v))));
+}
+
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1;
@@ -71,6 +150,13 @@ struct FmtBf16 {
             w[2 * i] = __uint_as_float(u[i] << 16);
             w[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
         }
+    }
+    static constexpr int XB = 32;
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        float w[8];
+        run(pc, 0, w);
+        const float4* x = reinterpret_cast<const float4*>(xb);
+        return dot8(w, f32x8{x[0], x[1]});
     }
 };
 
@@ -93,6 +179,11 @@ struct FmtQ8_0 {
         const unsigned w0 = pc.q[2 * r] ^ 0x80808080u, w1 = pc.q[2 * r + 1] ^ 0x80808080u;  // bytes q + 128
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 128.f), pc.d);
+    }
+    static constexpr int XB = sizeof(XBlock);
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
+        return group_term(x.d, pc.d, dot_words(pc.q, x.q));
     }
 };
 
@@ -117,6 +208,15 @@ struct FmtQ4_0 {
         const unsigned w1 = (pc.q[2 * (r % 2) + 1] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.d, byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 8.f));
+    }
+    static constexpr int XB = sizeof(XBlock);
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block, q - 8
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
+        unsigned lo[4], hi[4];  // values 0-15, 16-31
+#pragma unroll
+        for (int i = 0; i < 4; ++i) lo[i] = pc.q[i] & 0x0F0F0F0Fu, hi[i] = (pc.q[i] >> 4) & 0x0F0F0F0Fu;
+        const int u = dot_words(lo, x.q) + dot_words(hi, x.q + 4) - 8 * (x.s[0] + x.s[1]);
+        return group_term(x.d, pc.d, u);
     }
 };
 
@@ -150,7 +250,8 @@ struct FmtK4 {
         uint4 q;
         uint4 qh;  // Q5_K: qh bytes l .. l+15
         float ds[2], dm[2];
-        int bit;  // Q5_K: the qh bit of sub-block 2c
+        int bit;    // 2c: the first sub-block (Q5_K: its qh bit)
+        int lhalf;  // p % 2: positions 16 (p % 2) .. +15 of the sub-blocks
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
@@ -158,6 +259,7 @@ struct FmtK4 {
         pc.q = *reinterpret_cast<const uint4*>(block + QS + 16 * p);
         if constexpr (Q5) pc.qh = *reinterpret_cast<const uint4*>(block + 16 + 16 * (p % 2));
         pc.bit = 2 * (p / 2);
+        pc.lhalf = p % 2;
         const float d = half_to_float(h.x & 0xFFFFu), dmin = half_to_float(h.x >> 16);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -181,6 +283,28 @@ struct FmtK4 {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmaf_rn(pc.ds[s], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE), -pc.dm[s]);
     }
+    static constexpr int XB = 8 * sizeof(XBlock);
+    // Two groups: positions l .. l+15 (l = 16 (p % 2)) of sub-blocks 2c and 2c+1, i.e. runs 0-1 and 2-3.
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        const XBlock* x = reinterpret_cast<const XBlock*>(xb) + pc.bit;
+        const int h = pc.lhalf;
+        const unsigned q[4] = {pc.q.x, pc.q.y, pc.q.z, pc.q.w};
+        float t[2];
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                w[i] = (q[i] >> (4 * s)) & 0x0F0F0F0Fu;
+                if constexpr (Q5) {
+                    const unsigned qh[4] = {pc.qh.x, pc.qh.y, pc.qh.z, pc.qh.w};
+                    w[i] |= ((qh[i] >> (pc.bit + s)) << 4) & 0x10101010u;
+                }
+            }
+            t[s] = group_term(x[s].d, pc.ds[s], dot_words(w, x[s].q + 4 * h), pc.dm[s], x[s].s[h]);
+        }
+        return __fadd_rn(t[0], t[1]);
+    }
 };
 using FmtQ4_K = FmtK4<false>;
 using FmtQ5_K = FmtK4<true>;
@@ -196,10 +320,12 @@ struct FmtQ6_K {
         unsigned ql[4];  // ql[64h + l ..] (words 0-1), ql[64h + 32 + l ..] (words 2-3)
         unsigned qh[2];
         float ds[4];
+        int h, l;  // the half, the position 8 (p % 4) in it
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
         const int h = p / 4, l = 8 * (p % 4);
+        pc.h = h, pc.l = l;
         unsigned a[2], b[2], sc[2];
         load_words_a2<2>(block + 64 * h + l, a);
         load_words_a2<2>(block + 64 * h + 32 + l, b);
@@ -220,6 +346,21 @@ struct FmtQ6_K {
         const unsigned w1 = ((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u);
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.ds[k], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 32.f));
+    }
+    static constexpr int XB = 8 * sizeof(XBlock);
+    // Four groups: run k = positions l .. l+7 of activation block 4h + k, weights q - 32 (signed bytes).
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        const XBlock* x = reinterpret_cast<const XBlock*>(xb) + 4 * pc.h;
+        float c = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned w[2] = {
+                __vsub4(((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u),
+                __vsub4(((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u)};
+            const float t = group_term(x[k].d, pc.ds[k], dot_words(w, x[k].q + pc.l / 4));
+            c = k ? __fadd_rn(c, t) : t;
+        }
+        return c;
     }
 };
 
