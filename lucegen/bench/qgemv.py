@@ -6,8 +6,12 @@ read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M s
 M-tile take over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that L2 does
 not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
 
+The time per call includes, for the quantized formats, the quantization of X to 8 bits per 32 values (a second
+kernel). What that quantization costs in accuracy is recorded beside the speed: the relative error (Frobenius) of
+the M = 1 output against the exact product in float64 on normal activations.
+
 Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
-"<format> <N>x<K> M=<M>"; cublas_bf16_us for the peer.
+"<format> <N>x<K> M=<M>"; qgemv_rel_err per format and shape (M = 1); cublas_bf16_us for the peer.
 """
 from __future__ import annotations
 
@@ -86,6 +90,10 @@ def run(recorder: Recorder | None = None) -> None:
                 name = f"{fmt} {n}x{k} M={m}"
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                            read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label)
+                if m == 1:
+                    exact = qgemv.reference(raw, fmt, x.numpy().reshape(1, k))
+                    err = float(np.linalg.norm(y.numpy().reshape(1, n) - exact) / np.linalg.norm(exact))
+                    rec.record("qgemv_rel_err", f"{fmt} {n}x{k} M=1", err, "fraction", None, shape=label)
                 peer = _torch_mm_us(n, k, m, max(1, -(-4 * info.l2_bytes // (2 * n * k)))) if fmt == "q4_k" else None
                 if peer is not None:
                     rec.record("cublas_bf16_us", f"bf16 {n}x{k} M={m}", peer, "us", peer="torch.mm (cuBLAS)")
