@@ -8,8 +8,10 @@
 // MT activation rows; it walks its rows in passes of G = WARPS x ROWS rows (row i of a pass goes to warp i % WARPS)
 // and, within a pass, slice by slice. Each (pass, slice) is one pipeline item: the rows' bytes of that slice (and
 // the MT activation rows' bytes of that slice, unless they all fit in shared memory and are loaded once up front:
-// XFULL) are copied into a shared-memory stage with 16-byte cp.async (STAGES items in flight), then every warp
-// loads its rows' pieces once into registers and multiplies each into all MT activation rows (F::dot).
+// XFULL) are copied into a shared-memory stage (STAGES items in flight), then every warp loads its rows' pieces
+// once into registers and multiplies each into all MT activation rows (F::dot). The copies: on sm_90+ the bulk copy
+// engine (one copy per row and per activation row, issued by thread 0, completing on the stage's mbarrier), so
+// that no thread spends instructions on them; below, 16-byte cp.async by every thread.
 // Weights move DRAM -> shared memory once; a block's M-tiles beyond the first re-read them, and the launcher gives
 // the blocks of one row range consecutive indices so that they run together and the re-reads hit L2.
 //
@@ -23,6 +25,7 @@
 // to 15 bytes at each end also come in with the neighbouring row (from L2; DRAM sectors are read once). W must be
 // 16-byte aligned and readable up to the next 16-byte boundary after its last byte.
 #pragma once
+#include "bulk.cuh"
 #include "mma.cuh"
 #include "quant.cuh"
 
@@ -78,37 +81,83 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
             if (m < mv && j < words) cp_async16(xs + m * XROW + 16 * j, x + (m0 + m) * Q::X_ROW_BYTES + (long long)s * XS + 16 * j, true);
         }
     };
-    // Issue the copies of item t (if any) into stage t % STAGES; always one commit group per call.
+    // Item t's rows, slice, and the widened byte range [from, to) of its row i (the row's slice bytes).
+    struct Item {
+        int p0, s, nrows;
+        long long bytes;
+    };
+    const auto item = [&](int t) {
+        const int p0 = r0 + t / SLICES * G, s = t % SLICES;
+        return Item{p0, s, min(G, r1 - p0), (long long)min(SV, K - s * SV) / F::BLOCK_VALUES * F::BLOCK_BYTES};
+    };
+#if __CUDA_ARCH__ >= 900
+    __shared__ unsigned long long full[STAGES];
+    // Thread 0: the copies of item t into stage t % STAGES, by the copy engine.
+    const auto issue = [&](int t) {
+        const Item it = item(t);
+        unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
+        const int xwords = (XFULL ? 0 : min(SV, K - it.s * SV) / F::BLOCK_VALUES * F::XB / 16);
+        unsigned total = static_cast<unsigned>(mv * xwords * 16);
+        for (int i = 0; i < it.nrows; ++i) {
+            const long long start = slice_start(it.p0 + i, it.s);
+            total += static_cast<unsigned>(((start + it.bytes + 15) & ~15ll) - (start & ~15ll));
+        }
+        fence_proxy_async();  // every warp's reads of the stage's previous item before the engine writes
+        mbar_expect_tx(&full[t % STAGES], total);
+        for (int i = 0; i < it.nrows; ++i) {
+            const long long start = slice_start(it.p0 + i, it.s), from = start & ~15ll;
+            bulk_g2s(tile + i * SLOT, W + from, static_cast<unsigned>(((start + it.bytes + 15) & ~15ll) - from), &full[t % STAGES]);
+        }
+        for (int m = 0; m < mv && xwords; ++m)
+            bulk_g2s(tile + G * SLOT + m * XROW, x + (m0 + m) * Q::X_ROW_BYTES + (long long)it.s * XS, xwords * 16, &full[t % STAGES]);
+    };
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) mbar_init(&full[i], 1);
+        fence_barrier_init();
+        for (int t = 0; t < min(STAGES, items); ++t) issue(t);
+    }
+    if constexpr (XFULL) {
+#pragma unroll 1
+        for (int s = 0; s < SLICES; ++s) copy_x(smem + s * XS, s);
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // the barriers are initialised and the activations in, for every thread
+#else
+    // Every thread: its share of the copies of item t (if any) into stage t % STAGES; always one commit group.
     const auto issue = [&](int t) {
         if (t < items) {
-            const int p0 = r0 + t / SLICES * G, s = t % SLICES, nrows = min(G, r1 - p0);
-            const int kv = min(SV, K - s * SV);  // values in this slice
+            const Item it = item(t);
             unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
-            const long long bytes = kv / F::BLOCK_VALUES * F::BLOCK_BYTES;
             for (int c = threadIdx.x; c < G * (SLOT / 16); c += THREADS) {
                 const int i = c / (SLOT / 16), j = c % (SLOT / 16);
-                if (i < nrows) {
-                    const long long start = slice_start(p0 + i, s), from = (start & ~15ll) + 16 * j;
-                    if (from < start + bytes) cp_async16(tile + i * SLOT + 16 * j, W + from, true);
+                if (i < it.nrows) {
+                    const long long start = slice_start(it.p0 + i, it.s), from = (start & ~15ll) + 16 * j;
+                    if (from < start + it.bytes) cp_async16(tile + i * SLOT + 16 * j, W + from, true);
                 }
             }
-            if constexpr (!XFULL) copy_x(tile + G * SLOT, s);
+            if constexpr (!XFULL) copy_x(tile + G * SLOT, it.s);
         }
         cp_async_commit();
     };
-
-    float acc[ROWS][MT];
     if constexpr (XFULL) {  // completes with item 0's group
 #pragma unroll 1
         for (int s = 0; s < SLICES; ++s) copy_x(smem + s * XS, s);
     }
 #pragma unroll 1
     for (int t = 0; t < STAGES - 1; ++t) issue(t);
+#endif
+
+    float acc[ROWS][MT];
 #pragma unroll 1
     for (int t = 0; t < items; ++t) {
+#if __CUDA_ARCH__ >= 900
+        mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+#else
         cp_async_wait<STAGES - 2>();  // item t has landed (for this thread's copies) ...
         __syncthreads();              // ... and for everyone's; every warp is done with item t - 1's stage
         issue(t + STAGES - 1);        // into that stage
+#endif
         const int p0 = r0 + t / SLICES * G, s = t % SLICES, nrows = min(G, r1 - p0);
         const unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
         const int b = lane / F::PIECES, p = lane % F::PIECES;  // this lane's block in the slice and piece in it
@@ -147,6 +196,10 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
                     if (lane == 0 && warp + WARPS * j < nrows && m < mv) y[(long long)(m0 + m) * N + p0 + warp + WARPS * j] = v;
                 }
         }
+#if __CUDA_ARCH__ >= 900
+        __syncthreads();  // every warp is done with stage t % STAGES: refill it
+        if (threadIdx.x == 0 && t + STAGES < items) issue(t + STAGES);
+#endif
     }
     cp_async_wait<0>();
 }

@@ -85,6 +85,10 @@ struct alignas(16) XBlock {
     float d;
     int s[2];  // s[h] = qx[16h] + ... + qx[16h + 15]
     int pad;
+    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s[0], s[1], pad}.
+    __device__ int4 quad(int i) const { return reinterpret_cast<const int4*>(q)[i]; }
+    __device__ int2 pair(int i) const { return reinterpret_cast<const int2*>(q)[i]; }
+    __device__ int4 meta() const { return *reinterpret_cast<const int4*>(&d); }
 };
 static_assert(sizeof(XBlock) == 48, "XBlock is three 16-byte words");
 
@@ -117,14 +121,15 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
     return b;
 }
 
-// The sum of 4 n-word runs' products of bytes (signed): words w[i] with words x[i].
+// The sum of the products of the signed bytes of words w[i] and x[i].
 template <int N>
-__device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int* x) {
+__device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[N]) {
     int u = 0;
 #pragma unroll
     for (int i = 0; i < N; ++i) u = __dp4a(static_cast<int>(w[i]), x[i], u);
     return u;
 }
+__device__ __forceinline__ int dot_words(const unsigned (&w)[4], int4 x) { return dot_words(w, {x.x, x.y, x.z, x.w}); }
 
 // t = fl(dx * fl(a * u)) and t = fl(dx * fl(fl(a * u) - fl(b * v))): a group's contribution (see the top).
 __device__ __forceinline__ float group_term(float dx, float a, int u) {
@@ -183,7 +188,8 @@ struct FmtQ8_0 {
     static constexpr int XB = sizeof(XBlock);
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
-        return group_term(x.d, pc.d, dot_words(pc.q, x.q));
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        return group_term(x.d, pc.d, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)));
     }
 };
 
@@ -215,8 +221,9 @@ struct FmtQ4_0 {
         unsigned lo[4], hi[4];  // values 0-15, 16-31
 #pragma unroll
         for (int i = 0; i < 4; ++i) lo[i] = pc.q[i] & 0x0F0F0F0Fu, hi[i] = (pc.q[i] >> 4) & 0x0F0F0F0Fu;
-        const int u = dot_words(lo, x.q) + dot_words(hi, x.q + 4) - 8 * (x.s[0] + x.s[1]);
-        return group_term(x.d, pc.d, u);
+        const int4 meta = x.meta();
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)) - 8 * (meta.y + meta.z);
+        return group_term(__int_as_float(meta.x), pc.d, u);
     }
 };
 
@@ -301,7 +308,8 @@ struct FmtK4 {
                     w[i] |= ((qh[i] >> (pc.bit + s)) << 4) & 0x10101010u;
                 }
             }
-            t[s] = group_term(x[s].d, pc.ds[s], dot_words(w, x[s].q + 4 * h), pc.dm[s], x[s].s[h]);
+            const int4 meta = x[s].meta();
+            t[s] = group_term(__int_as_float(meta.x), pc.ds[s], dot_words(w, x[s].quad(h)), pc.dm[s], h ? meta.z : meta.y);
         }
         return __fadd_rn(t[0], t[1]);
     }
@@ -357,7 +365,8 @@ struct FmtQ6_K {
             const unsigned w[2] = {
                 __vsub4(((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u),
                 __vsub4(((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u)};
-            const float t = group_term(x[k].d, pc.ds[k], dot_words(w, x[k].q + pc.l / 4));
+            const int2 xq = x[k].pair(pc.l / 8);
+            const float t = group_term(x[k].d, pc.ds[k], dot_words(w, {xq.x, xq.y}));
             c = k ? __fadd_rn(c, t) : t;
         }
         return c;

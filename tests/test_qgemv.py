@@ -93,13 +93,13 @@ def test_tuning_fits_each_spec_and_the_gemm_takes_the_largest_m_tile_that_fits(k
         for f in qgemv.FORMATS.values():
             v, m = qgemv.tuning(spec, f, k, gemm=False), qgemv.tuning(spec, f, k, gemm=True)
             assert v.mt == 1 and 2 <= v.stages <= 4 and 2 <= m.stages <= 4
-            assert v.smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
-            assert m.smem(f, k) <= spec.chip.smem_per_block
+            assert v.block_smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
+            assert m.block_smem(f, k) <= spec.chip.smem_per_block
             bigger = [mt for mt in qgemv.MT_CHOICES if mt > m.mt]
-            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).smem(f, k) > spec.chip.smem_per_block
+            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).block_smem(f, k) > spec.chip.smem_per_block
                        for mt in bigger)
             if not v.xfull:  # activations loaded with each stage only when all of them would not fit
-                assert dataclasses.replace(v, xfull=True, stages=2).smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
+                assert dataclasses.replace(v, xfull=True, stages=2).block_smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
     # the 3090's GEMV of K = 17408 holds all activations as XBlocks (26 KB), but only each stage's in fp32 (68 KB)
     assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 17408, gemm=False).xfull
     assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["bf16"], 5120, gemm=False).xfull
@@ -116,7 +116,7 @@ def test_shared_memory_sizes_worked_out_by_hand():
     assert qgemv.Tuning(256, 2, 4, 2, False).smem(bf16, 5120) == 2 * (16 * 512 + 4 * 256 * 4)
     spec = load_spec("rtx3090")
     small = dataclasses.replace(spec, chip=dataclasses.replace(spec.chip, smem_per_block=16384))
-    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 41472 bytes of shared memory; "
+    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 41488 bytes of shared memory; "
                                          "a block may use 16384"):
         qgemv.tuning(small, q8, 5120, gemm=True)
 
@@ -146,6 +146,8 @@ HOST_SHIM = r"""
 #define __forceinline__ inline
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
 namespace lucegen { struct f32x8 { float4 lo, hi; }; }
 #include <math.h>  // fabsf, fmaxf, fmaf: the C library's, exact as the device's
 static inline float __fadd_rn(float a, float b) { return a + b; }

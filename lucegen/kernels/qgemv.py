@@ -243,24 +243,29 @@ class Tuning:
         x = self.mt * fmt.x_slice_bytes * (-(-k // fmt.slice_values) if self.xfull else 1)
         return (x if self.xfull else 0) + self.stages * (g * fmt.slot_bytes + (0 if self.xfull else x))
 
+    def block_smem(self, fmt: Format, k: int) -> int:
+        """All the shared memory of a block: the dynamic part and one 8-byte mbarrier per stage (static, sm_90+;
+        counted on every chip, for one rule)."""
+        return self.smem(fmt, k) + 8 * self.stages
+
 
 def tuning(spec: ChipSpec, fmt: Format, k: int, gemm: bool) -> Tuning:
     """The GEMV (MT = 1) or GEMM tuning of a spec: the spec's GEMV threads and rows per warp; the GEMM's M-tile
-    the largest (8, 4, 2) whose two stages fit a block. Then, within the budget (the GEMV: room for two blocks
+    the largest of MT_CHOICES whose two stages fit a block. Then, within the budget (the GEMV: room for two blocks
     per SM; the GEMM: one block), activations loaded once if that leaves two stages, and the most stages (up to 4)."""
     g, c = spec.tuning.gemv, spec.chip
     base = Tuning(threads=g.threads, rows=g.rows_per_warp, mt=1, stages=2, xfull=False)
     if gemm:
-        fits = [mt for mt in MT_CHOICES if dataclasses.replace(base, mt=mt).smem(fmt, k) <= c.smem_per_block]
+        fits = [mt for mt in MT_CHOICES if dataclasses.replace(base, mt=mt).block_smem(fmt, k) <= c.smem_per_block]
         base = dataclasses.replace(base, mt=fits[0] if fits else MT_CHOICES[-1])
         budget = c.smem_per_block
     else:
         budget = min(c.smem_per_block, c.smem_per_sm // 2 - RESERVED_SMEM)
     options = [dataclasses.replace(base, xfull=x, stages=n) for x in (True, False) for n in (4, 3, 2)]
-    t = next((o for o in options if o.smem(fmt, k) <= budget), base)
-    if t.smem(fmt, k) > c.smem_per_block:
+    t = next((o for o in options if o.block_smem(fmt, k) <= budget), base)
+    if t.block_smem(fmt, k) > c.smem_per_block:
         raise ValueError(f"{spec.name}: {fmt.name} {'GEMM' if gemm else 'GEMV'} of K = {k} with {t} needs "
-                         f"{t.smem(fmt, k)} bytes of shared memory; a block may use {c.smem_per_block}")
+                         f"{t.block_smem(fmt, k)} bytes of shared memory; a block may use {c.smem_per_block}")
     return t
 
 
