@@ -213,12 +213,13 @@ def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-17)
     (rint of fl(x / dx), |x / dx| <= 127.5), times |w|; and each term passes through at most 8 fp32 roundings
-    (the products, the difference, the scaling by dx, the piece's sums), each within 2^-24 of the magnitudes
-    summed: (|scale q| + |min|) |dx qx| per value."""
+    (the products, the difference, the scaling by dx, up to three sums of a piece's groups, and the dequantized
+    weight of the exact product's own), each within 2^-24 of the magnitudes summed: (|scale q| + |min|) |dx qx|
+    per value."""
     f = fmt_of(fmt)
     qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
-    n, g = len(raw), f.group
+    g = f.group
     w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
     mag = np.abs(np.repeat(scale, g, axis=1) * qw).astype(np.float64)
     if mins is not None:
