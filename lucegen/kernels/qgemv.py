@@ -32,6 +32,7 @@ from ..spec import WEIGHT_FORMATS, ChipSpec
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 MT_CHOICES = (16, 8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, two sums of 16, padding
+VERIFY_ROWS = 64   # activation rows QMatmul makes room for up front (a tree verify's budget)
 RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 
 
@@ -359,7 +360,9 @@ class QMatmul:
             self.ops.append((kernel, t, smem, per_sm * spec.chip.sm_count))
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
-        self.xq: DeviceArray | None = None  # quantized activations, grown to the largest M seen
+        # quantized activations: room for a tree verify's rows up front (no allocation in the calls a graph may
+        # capture), grown if a call brings more
+        self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
 
     def grid(self, m: int) -> int:
         """Blocks for M rows: whole groups of one block per M-tile (consecutive, so they share L2)."""
@@ -378,9 +381,8 @@ class QMatmul:
         kernel, t, smem, _ = self.ops[m > 1]
         if self.quant is not None:
             blocks = m * self.k // 32
-            if self.xq is None or self.xq.nbytes < blocks * XBLOCK_BYTES:
-                if self.xq is not None:
-                    self.xq.free()
+            if self.xq.nbytes < blocks * XBLOCK_BYTES:
+                self.xq.free()
                 self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
             threads = t.threads
             self.quant(min(self.quant_blocks, -(-blocks // threads)), threads, x, self.xq, blocks, stream=stream)
