@@ -78,8 +78,9 @@ __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
 }
 
 // ---- activations quantized per 32 values ----------------------------------------------------------------------
-// qx = rint(x / dx) with dx = max|x| / 127 (0 where all 32 are 0), two sums of 16 qx each (the mins of the K-quants
-// multiply them). 48 bytes, so that a row of them is whole 16-byte words.
+// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and two sums of 16 qx each (the mins
+// of the K-quants multiply them). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
+// below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
 struct alignas(16) XBlock {
     int q[8];  // 32 int8, little-endian in 8 words
     float d;
@@ -105,6 +106,7 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
     for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
     XBlock b;
     b.d = __fdiv_rn(amax, 127.f);
+    const float inv = b.d == 0.f ? 0.f : __fdiv_rn(1.f, b.d);
     b.s[0] = b.s[1] = 0;
     b.pad = 0;
 #pragma unroll
@@ -112,7 +114,7 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
         unsigned word = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int q = amax == 0.f ? 0 : __float2int_rn(__fdiv_rn(v[4 * w + i], b.d));
+            const int q = __float2int_rn(__fmul_rn(v[4 * w + i], inv));
             b.s[w / 4] += q;
             word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
         }

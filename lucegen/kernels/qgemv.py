@@ -122,7 +122,7 @@ def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 
 def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activations [M, K] (K a multiple of 32) as quant.cuh's quantize_xblock makes them: per 32 values
-    dx = fl(max|x| / 127) and qx = rint(fl(x / dx)) (0 where max|x| = 0), and the sums of 16 qx.
+    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sums of 16 qx.
     Returns qx int32 [M, K], dx float32 [M, K/32], sums int32 [M, K/16]."""
     x = np.atleast_2d(np.asarray(x, np.float32))
     m, k = x.shape
@@ -130,8 +130,9 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError(f"activations of K = {k} values: quantized products need K a multiple of 32")
     b = x.reshape(m, k // 32, 32)
     dx = np.abs(b).max(axis=-1) / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(dx[..., None] > 0, np.rint(b / dx[..., None]), 0).astype(np.int32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx > 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv[..., None]).astype(np.int32)
     return q.reshape(m, k), dx, q.reshape(m, k // 16, 16).sum(axis=-1, dtype=np.int32)
 
 
@@ -212,8 +213,8 @@ def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 
 
 def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-17)
-    (rint of fl(x / dx), |x / dx| <= 127.5), times |w|; and each term passes through at most 8 fp32 roundings
+    """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16)
+    (rint of fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and each term passes through at most 8 fp32 roundings
     (the products, the difference, the scaling by dx, up to three sums of a piece's groups, and the dequantized
     weight of the exact product's own), each within 2^-24 of the magnitudes summed: (|scale q| + |min|) |dx qx|
     per value."""
@@ -226,7 +227,7 @@ def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     if mins is not None:
         mag += np.abs(np.repeat(mins, g, axis=1))
     xd = np.repeat(dx, 32, axis=1).astype(np.float64)
-    return (xd * (0.5 + 2.0**-17)) @ w.T + 8 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
+    return (xd * (0.5 + 2.0**-16)) @ w.T + 8 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
 
 
 # ---- kernel shapes -------------------------------------------------------------------------------------------
