@@ -78,15 +78,15 @@ __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
 }
 
 // ---- activations quantized per 32 values ----------------------------------------------------------------------
-// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and two sums of 16 qx each (the mins
-// of the K-quants multiply them). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
+// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and the sum of the 32 qx (Q4_0's
+// offset and the K-quants' mins multiply it). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
 // below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
 struct alignas(16) XBlock {
     int q[8];  // 32 int8, little-endian in 8 words
     float d;
-    int s[2];  // s[h] = qx[16h] + ... + qx[16h + 15]
-    int pad;
-    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s[0], s[1], pad}.
+    int s;  // qx[0] + ... + qx[31]
+    int pad[2];
+    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s, pad}.
     __device__ int4 quad(int i) const { return reinterpret_cast<const int4*>(q)[i]; }
     __device__ int2 pair(int i) const { return reinterpret_cast<const int2*>(q)[i]; }
     __device__ int4 meta() const { return *reinterpret_cast<const int4*>(&d); }
@@ -107,15 +107,14 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
     XBlock b;
     b.d = __fdiv_rn(amax, 127.f);
     const float inv = b.d == 0.f ? 0.f : __fdiv_rn(1.f, b.d);
-    b.s[0] = b.s[1] = 0;
-    b.pad = 0;
+    b.s = b.pad[0] = b.pad[1] = 0;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
         unsigned word = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int q = __float2int_rn(__fmul_rn(v[4 * w + i], inv));
-            b.s[w / 4] += q;
+            b.s += q;
             word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
         }
         b.q[w] = static_cast<int>(word);
@@ -224,17 +223,15 @@ struct FmtQ4_0 {
 #pragma unroll
         for (int i = 0; i < 4; ++i) lo[i] = pc.q[i] & 0x0F0F0F0Fu, hi[i] = (pc.q[i] >> 4) & 0x0F0F0F0Fu;
         const int4 meta = x.meta();
-        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)) - 8 * (meta.y + meta.z);
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)) - 8 * meta.y;
         return group_term(__int_as_float(meta.x), pc.d, u);
     }
 };
 
 // ---- Q4_K / Q5_K: [0:2] d | [2:4] dmin | [4:16] scales[12] | (Q5_K: [16:48] qh[32]) | qs[128] ---------------
 // Sub-block j (32 values) has a 6-bit scale sc and min m (get_scale_min_k4); x = fl(fl(d*sc) * q - fl(dmin*m)).
-// Piece p (8 per block) = qs bytes 16p .. 16p+15, i.e. chunk c = p/2 (sub-blocks 2c, 2c+1), positions
-// l = 16(p%2) .. l+15: run r holds the low (r < 2) or high (r >= 2) nibbles of bytes 8(r%2) .. 8(r%2)+7 of the
-// piece, i.e. values 64c + 32(r/2) + l + 8(r%2) + 0..7 of sub-block 2c + r/2. Q5_K's fifth bit of value 32j + i is
-// bit j of qh[i].
+// Piece p (8 per block) = sub-block p: the low (p even) or high nibbles of qs bytes 32c .. 32c+31 (c = p/2); run r =
+// values 32p + 8r .. +7 = the nibbles of bytes 32c + 8r .. +7. Q5_K's fifth bit of value 32j + i is bit j of qh[i].
 __device__ __forceinline__ void scale_min_k4(int j, const uint4& h, unsigned& sc, unsigned& m) {
     // scales[0..3] in h.y, [4..7] in h.z, [8..11] in h.w (h.x holds d and dmin)
     const auto s = [&](int i) { return ((i < 4 ? h.y : i < 8 ? h.z : h.w) >> (8 * (i % 4))) & 0xFFu; };
@@ -252,68 +249,47 @@ struct FmtK4 {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4;
     static constexpr bool ALIGNED16 = true;
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
-    __host__ __device__ static constexpr int voff(int p, int r) {
-        return 64 * (p / 2) + 32 * (r / 2) + 16 * (p % 2) + 8 * (r % 2);
-    }
+    __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        uint4 q;
-        uint4 qh;  // Q5_K: qh bytes l .. l+15
-        float ds[2], dm[2];
-        int bit;    // 2c: the first sub-block (Q5_K: its qh bit)
-        int lhalf;  // p % 2: positions 16 (p % 2) .. +15 of the sub-blocks
+        unsigned q[8];  // the 32 values q (0 .. 15 or 31), one per byte
+        float ds, dm;   // fl(d * sc), fl(dmin * m)
+        int j;          // the sub-block
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
         const uint4 h = *reinterpret_cast<const uint4*>(block);
-        pc.q = *reinterpret_cast<const uint4*>(block + QS + 16 * p);
-        if constexpr (Q5) pc.qh = *reinterpret_cast<const uint4*>(block + 16 + 16 * (p % 2));
-        pc.bit = 2 * (p / 2);
-        pc.lhalf = p % 2;
-        const float d = half_to_float(h.x & 0xFFFFu), dmin = half_to_float(h.x >> 16);
+        const uint4 a = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2));
+        const uint4 b = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2) + 16);
+        const unsigned q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            unsigned sc, m;
-            scale_min_k4(pc.bit + s, h, sc, m);
-            pc.ds[s] = __fmul_rn(d, uint_to_float(sc));
-            pc.dm[s] = __fmul_rn(dmin, uint_to_float(m));
+        for (int i = 0; i < 8; ++i) pc.q[i] = (q[i] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+        if constexpr (Q5) {  // bit p of each qh byte -> bit 4 of the value's byte
+            const uint4 c = *reinterpret_cast<const uint4*>(block + 16), e = *reinterpret_cast<const uint4*>(block + 32);
+            const unsigned qh[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) pc.q[i] |= ((qh[i] >> p) << 4) & 0x10101010u;
         }
+        unsigned sc, m;
+        scale_min_k4(p, h, sc, m);
+        pc.ds = __fmul_rn(half_to_float(h.x & 0xFFFFu), uint_to_float(sc));
+        pc.dm = __fmul_rn(half_to_float(h.x >> 16), uint_to_float(m));
+        pc.j = p;
         return pc;
     }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
-        const int s = r / 2;
-        unsigned w0 = ((r % 2 ? pc.q.z : pc.q.x) >> (4 * s)) & 0x0F0F0F0Fu;
-        unsigned w1 = ((r % 2 ? pc.q.w : pc.q.y) >> (4 * s)) & 0x0F0F0F0Fu;
-        if constexpr (Q5) {  // bit j of each qh byte -> bit 4 of the value's byte
-            w0 |= (((r % 2 ? pc.qh.z : pc.qh.x) >> (pc.bit + s)) << 4) & 0x10101010u;
-            w1 |= (((r % 2 ? pc.qh.w : pc.qh.y) >> (pc.bit + s)) << 4) & 0x10101010u;
-        }
         // fl(fl(ds * q) - dm) in one FFMA: ds * q is exact (an fp16 times 6 bits, times 5 bits: <= 22 bits), and an
         // FMA rounds the exact ds * q - dm once, with the signed-zero rule of that sum.
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmaf_rn(pc.ds[s], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE), -pc.dm[s]);
+        for (int i = 0; i < 8; ++i)
+            w[i] = __fmaf_rn(pc.ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE), -pc.dm);
     }
     static constexpr int XB = 8 * sizeof(XBlock);
-    // Two groups: positions l .. l+15 (l = 16 (p % 2)) of sub-blocks 2c and 2c+1, i.e. runs 0-1 and 2-3.
+    // One group: the sub-block, with activation block j.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
-        const XBlock* x = reinterpret_cast<const XBlock*>(xb) + pc.bit;
-        const int h = pc.lhalf;
-        const unsigned q[4] = {pc.q.x, pc.q.y, pc.q.z, pc.q.w};
-        float t[2];
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            unsigned w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                w[i] = (q[i] >> (4 * s)) & 0x0F0F0F0Fu;
-                if constexpr (Q5) {
-                    const unsigned qh[4] = {pc.qh.x, pc.qh.y, pc.qh.z, pc.qh.w};
-                    w[i] |= ((qh[i] >> (pc.bit + s)) << 4) & 0x10101010u;
-                }
-            }
-            const int4 meta = x[s].meta();
-            t[s] = group_term(__int_as_float(meta.x), pc.ds[s], dot_words(w, x[s].quad(h)), pc.dm[s], h ? meta.z : meta.y);
-        }
-        return __fadd_rn(t[0], t[1]);
+        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        const int4 meta = x.meta();
+        return group_term(__int_as_float(meta.x), pc.ds, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)), pc.dm, meta.y);
     }
 };
 using FmtQ4_K = FmtK4<false>;

@@ -31,7 +31,7 @@ from ..spec import WEIGHT_FORMATS, ChipSpec
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 MT_CHOICES = (16, 8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
-XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, two sums of 16, padding
+XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, padding
 VERIFY_ROWS = 64   # activation rows QMatmul makes room for up front (a tree verify's budget)
 RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 
@@ -87,8 +87,8 @@ FORMATS = {f.name: f for f in (
     Format("bf16", GGMLType.BF16, "FmtBf16", 8, 16, 1, True, 0),
     Format("q8_0", GGMLType.Q8_0, "FmtQ8_0", 32, 34, 1, False, 32),
     Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False, 32),
-    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, 16),
-    Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True, 16),
+    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, 32),
+    Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True, 32),
     Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False, 8),
 )}
 assert tuple(FORMATS) == WEIGHT_FORMATS
@@ -122,8 +122,8 @@ def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 
 def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activations [M, K] (K a multiple of 32) as quant.cuh's quantize_xblock makes them: per 32 values
-    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sums of 16 qx.
-    Returns qx int32 [M, K], dx float32 [M, K/32], sums int32 [M, K/16]."""
+    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sum of the 32 qx.
+    Returns qx int32 [M, K], dx float32 [M, K/32], sums int32 [M, K/32]."""
     x = np.atleast_2d(np.asarray(x, np.float32))
     m, k = x.shape
     if k % 32:
@@ -133,7 +133,7 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore"):
         inv = np.where(dx > 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
     q = np.rint(b * inv[..., None]).astype(np.int32)
-    return q.reshape(m, k), dx, q.reshape(m, k // 16, 16).sum(axis=-1, dtype=np.int32)
+    return q.reshape(m, k), dx, q.sum(axis=-1, dtype=np.int32)
 
 
 def xblocks(x: np.ndarray) -> np.ndarray:
@@ -143,7 +143,7 @@ def xblocks(x: np.ndarray) -> np.ndarray:
     out = np.zeros((m, k // 32, XBLOCK_BYTES), np.uint8)
     out[..., :32] = q.astype(np.int8).view(np.uint8).reshape(m, k // 32, 32)
     out[..., 32:36] = dx.astype("<f4")[..., None].view(np.uint8)
-    out[..., 36:44] = sums.astype("<i4").reshape(m, k // 32, 2).view(np.uint8)
+    out[..., 36:40] = sums.astype("<i4")[..., None].view(np.uint8)
     return out.reshape(m, -1)
 
 
@@ -171,19 +171,17 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
         if q5:
             q = q | (((blk[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
         q = q.astype(np.int32)
-        scale = np.repeat(_half(blk[:, 0:2]) * sc, 2, axis=1)
-        mins = np.repeat(_half(blk[:, 2:4]) * m, 2, axis=1).reshape(n, -1)
+        scale = _half(blk[:, 0:2]) * sc
+        mins = (_half(blk[:, 2:4]) * m).reshape(n, -1)
     return q.reshape(n, -1), scale.reshape(n, -1), mins
 
 
 def _piece_groups(fmt: Format) -> np.ndarray:
     """[pieces, groups per piece]: the groups (index in the block, in K order) of each piece, in the order
     quant.cuh's dot sums them."""
-    if fmt.ggml in (GGMLType.Q4_K, GGMLType.Q5_K):  # piece p: positions 16 (p % 2) of sub-blocks 2c, 2c+1
-        return np.array([[4 * (p // 2) + p % 2, 4 * (p // 2) + 2 + p % 2] for p in range(8)])
     if fmt.ggml == GGMLType.Q6_K:  # piece p: runs k = 0..3 at position 8 (p % 4) of half p // 4
         return np.array([[16 * (p // 4) + 4 * k + p % 4 for k in range(4)] for p in range(8)])
-    return np.zeros((1, 1), int)  # Q8_0, Q4_0: the block
+    return np.arange(fmt.pieces)[:, None]  # Q8_0, Q4_0: the block; Q4_K, Q5_K: piece p = sub-block p
 
 
 def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
@@ -192,17 +190,17 @@ def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     f = fmt_of(fmt)
     if not f.quantizes_x:
         raise ValueError(f"{f.name} multiplies fp32 activations: use reference()")
-    qx, dx, sums = quantize_x(x)
+    qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
     n, k, g = len(raw), qx.shape[1], f.group
     order = _piece_groups(f)
     per_block = f.block_values // g
     out = []
-    for qm, dm, sm in zip(qx, dx, sums):
+    for qm, dm in zip(qx, dx):
         u = (qw.reshape(n, -1, g) * qm.reshape(1, -1, g)).sum(axis=-1).astype(np.float32)  # exact: |u| < 2^24
         t = scale * u
-        if mins is not None:
-            t = t - mins * sm.astype(np.float32)  # groups of 16: the sums of 16
+        if mins is not None:  # v: the group's (the XBlock's) sum of qx
+            t = t - mins * qm.reshape(-1, g).sum(axis=-1).astype(np.float32)
         t = np.repeat(dm, 32 // g) * t
         t = t.reshape(n, k // f.block_values, per_block)[:, :, order]  # [N, blocks, pieces, groups of a piece]
         c = t[..., 0]
