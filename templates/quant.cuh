@@ -15,12 +15,13 @@
 // _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
 //
 // Products. bf16 rows multiply fp32 activations (XB = 32: the block's 8 floats) in fp32, in dot8_bf16's order.
-// The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1):
-// integer dot products (dp4a) per group of values sharing one weight scale and one activation scale, then
-//   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0, Q6_K; u = sum of (q - offset) * qx, a the weight scale)
-//   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K;       u = sum of q * qx, b the min, v = sum of qx)
-// and the piece's contribution is its groups' t summed in order in fp32. Every integer is exact (|u| < 2^24, so
-// its conversion to float is too). lucegen/kernels/qgemv.py emulates this in numpy (emulate), bit for bit.
+// The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1),
+// a piece (32 values: one activation block) at a time: an integer dot product u (dp4a), then in fp32
+//   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0: u = sum of (q - offset) qx, a = d;
+//                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d)
+//   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K: u = sum of q qx, a = fl(d sc), b = fl(dmin m), v = sum of qx)
+// Every integer is exact and below 2^24, so its conversion to float is too. lucegen/kernels/qgemv.py emulates
+// this in numpy bit for bit (piece_terms).
 #pragma once
 #include <cuda_fp16.h>
 
@@ -296,58 +297,49 @@ using FmtQ4_K = FmtK4<false>;
 using FmtQ5_K = FmtK4<true>;
 
 // ---- Q6_K: [0:128] ql | [128:192] qh | [192:208] int8 scales[16] | [208:210] d -------------------------------
-// Piece p (8 per block): half h = p/4, l = 8(p%4); run k = values 128h + 32k + l .. +7 of sub-block 8h + 2k + l/16:
-// low (k < 2) or high nibbles of ql[64h + 32(k%2) + l ..], bits 2k, 2k+1 of qh[32h + l ..]; x = fl(d*sc) * (q - 32).
+// Piece p (8 per block) = values 32p .. 32p+31: half h = p/4, k = p%4, positions l = 0..31 of the low (k < 2) or high
+// nibbles of ql[64h + 32(k%2) + l] and bits 2k, 2k+1 of qh[32h + l]; scales 8h + 2k (l < 16) and 8h + 2k + 1;
+// x = fl(d*sc) * (q - 32). Run r = values 32p + 8r .. +7 (scale r / 2 of the piece).
 struct FmtQ6_K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, PIECES = 8, RUNS = 4;
     static constexpr bool ALIGNED16 = false;
-    __host__ __device__ static constexpr int voff(int p, int r) { return 128 * (p / 4) + 32 * r + 8 * (p % 4); }
+    __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        unsigned ql[4];  // ql[64h + l ..] (words 0-1), ql[64h + 32 + l ..] (words 2-3)
-        unsigned qh[2];
-        float ds[4];
-        int h, l;  // the half, the position 8 (p % 4) in it
+        unsigned q[8];  // q - 32, signed bytes
+        int sc[2];      // the two scales
+        float d;
+        int j;          // p: the piece's activation block
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
-        const int h = p / 4, l = 8 * (p % 4);
-        pc.h = h, pc.l = l;
-        unsigned a[2], b[2], sc[2];
-        load_words_a2<2>(block + 64 * h + l, a);
-        load_words_a2<2>(block + 64 * h + 32 + l, b);
-        load_words_a2<2>(block + 128 + 32 * h + l, pc.qh);
-        load_words_a2<2>(block + 192 + 8 * h, sc);  // the half's 8 scales
-        pc.ql[0] = a[0], pc.ql[1] = a[1], pc.ql[2] = b[0], pc.ql[3] = b[1];
-        const float d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
+        const int h = p / 4, k = p % 4;
+        unsigned ql[8], qh[8];
+        load_words_a2<8>(block + 64 * h + 32 * (k % 2), ql);
+        load_words_a2<8>(block + 128 + 32 * h, qh);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int j = l / 16 + 2 * k;  // scale index within the half
-            pc.ds[k] = __fmul_rn(d, byte_minus((j < 4 ? sc[0] : sc[1]) ^ 0x80808080u, j % 4, MAGIC_U_VALUE + 128.f));
-        }
+        for (int i = 0; i < 8; ++i)  // each byte: the low nibble from ql, bits 4-5 from qh; q in 0 .. 63, minus 32
+            pc.q[i] = __vsub4(((ql[i] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u);
+        const unsigned sc = *reinterpret_cast<const unsigned short*>(block + 192 + 8 * h + 2 * k);
+        pc.sc[0] = static_cast<signed char>(sc & 0xFFu);
+        pc.sc[1] = static_cast<signed char>(sc >> 8);
+        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
+        pc.j = p;
         return pc;
     }
-    __device__ static void run(const Piece& pc, int k, float (&w)[8]) {
-        // each byte: the low nibble from ql, bits 4-5 from bits 2k, 2k+1 of qh: q in 0 .. 63
-        const unsigned w0 = ((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u);
-        const unsigned w1 = ((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u);
+    __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
+        const float ds = __fmul_rn(pc.d, static_cast<float>(pc.sc[r / 2]));  // exact conversion: |sc| <= 128
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.ds[k], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 32.f));
+        for (int i = 0; i < 8; ++i)  // bytes (q - 32) + 128
+            w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4] ^ 0x80808080u, i % 4, MAGIC_U_VALUE + 128.f));
     }
     static constexpr int XB = 8 * sizeof(XBlock);
-    // Four groups: run k = positions l .. l+7 of activation block 4h + k, weights q - 32 (signed bytes).
+    // One group: the piece's 32 values, activation block p; the two scales multiply their halves' integer dots
+    // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
-        const XBlock* x = reinterpret_cast<const XBlock*>(xb) + 4 * pc.h;
-        float c = 0.f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned w[2] = {
-                __vsub4(((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u),
-                __vsub4(((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u)};
-            const int2 xq = x[k].pair(pc.l / 8);
-            const float t = group_term(x[k].d, pc.ds[k], dot_words(w, {xq.x, xq.y}));
-            c = k ? __fadd_rn(c, t) : t;
-        }
-        return c;
+        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        const int u = pc.sc[0] * dot_words(lo, x.quad(0)) + pc.sc[1] * dot_words(hi, x.quad(1));
+        return group_term(x.d, pc.d, u);
     }
 };
 

@@ -5,7 +5,7 @@ W is stored exactly as in the GGUF file (lucegen.model.quants' layouts; bf16 as 
 load each weight piece once into registers and multiply it into an M-tile of activation rows held in shared
 memory: MT = 1 for the decode GEMV, up to 16 for the GEMM of a tree verify. bf16 rows multiply fp32 activations
 in fp32. The quantized formats multiply activations quantized to 8 bits per 32 values (quantize_x, as llama.cpp's
-q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each group of values in fp32 in a
+q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values in fp32 in a
 fixed order (quant.cuh's top comment): piece_terms emulates that in numpy bit for bit, and quantization_bound bounds
 its distance from the exact product. Why: decoding every weight to fp32 and multiplying it with an FMA per
 activation row is bound by arithmetic, not bytes, from M = 1 on an H200 (21% of the read rate for Q4_K); dp4a
@@ -39,8 +39,7 @@ RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 @dataclass(frozen=True)
 class Format:
     """A weight format as the kernels read it (quant.cuh's trait `cls`): a block of `block_values` values in
-    `block_bytes` bytes, decoded in `pieces` pieces; `aligned16` when every block starts on a 16-byte boundary;
-    `group` values share one weight scale in the integer products (0: bf16, fp32 products)."""
+    `block_bytes` bytes, decoded in `pieces` pieces; `aligned16` when every block starts on a 16-byte boundary."""
     name: str
     ggml: GGMLType
     cls: str
@@ -48,12 +47,11 @@ class Format:
     block_bytes: int
     pieces: int
     aligned16: bool
-    group: int
 
     @property
     def quantizes_x(self) -> bool:
-        """Activations quantized to XBlocks (integer products), not fp32."""
-        return self.group > 0
+        """Activations quantized to XBlocks (integer products, a piece of 32 values at a time), not fp32 (bf16)."""
+        return self.ggml != GGMLType.BF16
 
     @property
     def x_block_bytes(self) -> int:
@@ -84,12 +82,12 @@ class Format:
 
 
 FORMATS = {f.name: f for f in (
-    Format("bf16", GGMLType.BF16, "FmtBf16", 8, 16, 1, True, 0),
-    Format("q8_0", GGMLType.Q8_0, "FmtQ8_0", 32, 34, 1, False, 32),
-    Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False, 32),
-    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, 32),
-    Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True, 32),
-    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False, 8),
+    Format("bf16", GGMLType.BF16, "FmtBf16", 8, 16, 1, True),
+    Format("q8_0", GGMLType.Q8_0, "FmtQ8_0", 32, 34, 1, False),
+    Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False),
+    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True),
+    Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True),
+    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False),
 )}
 assert tuple(FORMATS) == WEIGHT_FORMATS
 
@@ -148,9 +146,10 @@ def xblocks(x: np.ndarray) -> np.ndarray:
 
 
 def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The weights as the integer products read them, in groups of fmt.group values: q int32 [N, K] (q - 8, q - 32
-    for Q4_0, Q6_K; q as stored for the formats with mins), the scale of each group float32 [N, K/group] (Q4_K,
-    Q5_K, Q6_K: fl(d * sc)) and its min (Q4_K, Q5_K: fl(dmin * m); None for the others)."""
+    """The weights as the integer products read them, in pieces of 32 values: q int32 [N, K] (Q4_0: q - 8;
+    Q6_K: sc * (q - 32), its int8 scale of 16 values folded in; q as stored for the formats with mins), the scale
+    of each piece float32 [N, K/32] (Q4_K, Q5_K: fl(d * sc); the others: d) and its min (Q4_K, Q5_K:
+    fl(dmin * m); None for the others)."""
     n = len(raw)
     blk = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, fmt.block_bytes)
     mins = None
@@ -162,8 +161,9 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
         ql = blk[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
         ql = (ql & 0xF).reshape(-1, 2, 4, 32)
         qh = (blk[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-        q = (ql | (qh << 4)).astype(np.int32) - 32
-        scale = np.repeat(_half(blk[:, 208:210]) * blk[:, 192:208].view(np.int8).astype(np.float32), 2, axis=1)
+        sc = np.repeat(blk[:, 192:208].view(np.int8).astype(np.int32), 16, axis=1)
+        q = ((ql | (qh << 4)).astype(np.int32) - 32).reshape(-1, 256) * sc
+        scale = np.repeat(_half(blk[:, 208:210]), 8, axis=1)
     else:  # Q4_K, Q5_K
         q5 = fmt.ggml == GGMLType.Q5_K
         sc, m = _scale_min_k4(blk[:, 4:16])
@@ -176,56 +176,45 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
     return q.reshape(n, -1), scale.reshape(n, -1), mins
 
 
-def _piece_groups(fmt: Format) -> np.ndarray:
-    """[pieces, groups per piece]: the groups (index in the block, in K order) of each piece, in the order
-    quant.cuh's dot sums them."""
-    if fmt.ggml == GGMLType.Q6_K:  # piece p: runs k = 0..3 at position 8 (p % 4) of half p // 4
-        return np.array([[16 * (p // 4) + 4 * k + p % 4 for k in range(4)] for p in range(8)])
-    return np.arange(fmt.pieces)[:, None]  # Q8_0, Q4_0: the block; Q4_K, Q5_K: piece p = sub-block p
+
 
 
 def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     """What each lane adds per piece in the quantized formats' kernels, bit for bit: float32 [M, N, pieces of a
-    row in K order], so that Y[m, n] is the fp32 sum of terms[m, n] (in the kernel's lane and warp order)."""
+    row in K order], so that Y[m, n] is the fp32 sum of terms[m, n] (in the kernel's lane and warp order). Every
+    piece is one group of 32 values, with one activation block: t = fl(dx * fl(scale * u)), minus fl(min * v)
+    inside for the formats with mins."""
     f = fmt_of(fmt)
     if not f.quantizes_x:
         raise ValueError(f"{f.name} multiplies fp32 activations: use reference()")
     qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
-    n, k, g = len(raw), qx.shape[1], f.group
-    order = _piece_groups(f)
-    per_block = f.block_values // g
+    n = len(raw)
     out = []
     for qm, dm in zip(qx, dx):
-        u = (qw.reshape(n, -1, g) * qm.reshape(1, -1, g)).sum(axis=-1).astype(np.float32)  # exact: |u| < 2^24
+        u = (qw.reshape(n, -1, 32) * qm.reshape(1, -1, 32)).sum(axis=-1).astype(np.float32)  # exact: |u| < 2^24
         t = scale * u
-        if mins is not None:  # v: the group's (the XBlock's) sum of qx
-            t = t - mins * qm.reshape(-1, g).sum(axis=-1).astype(np.float32)
-        t = np.repeat(dm, 32 // g) * t
-        t = t.reshape(n, k // f.block_values, per_block)[:, :, order]  # [N, blocks, pieces, groups of a piece]
-        c = t[..., 0]
-        for i in range(1, order.shape[1]):
-            c = c + t[..., i]
-        out.append(c.reshape(n, -1))
+        if mins is not None:  # v: the XBlock's sum of qx
+            t = t - mins * qm.reshape(-1, 32).sum(axis=-1).astype(np.float32)
+        out.append(dm * t)
     return np.stack(out)
 
 
 def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16)
-    (rint of fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and each term passes through at most 8 fp32 roundings
-    (the products, the difference, the scaling by dx, up to three sums of a piece's groups, and the dequantized
-    weight of the exact product's own), each within 2^-24 of the magnitudes summed: (|scale q| + |min|) |dx qx|
-    per value."""
+    (rint of fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and each term passes through
+    at most 6 fp32 roundings (fl(scale u), fl(min v), their difference, the scaling by dx, and up to two in the
+    exact product's own dequantized weight), each within 2^-24 of the magnitudes summed: (|scale q| + |min|)
+    |dx qx| per value."""
     f = fmt_of(fmt)
     qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
-    g = f.group
     w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
-    mag = np.abs(np.repeat(scale, g, axis=1) * qw).astype(np.float64)
+    mag = np.abs(np.repeat(scale, 32, axis=1) * qw).astype(np.float64)
     if mins is not None:
-        mag += np.abs(np.repeat(mins, g, axis=1))
+        mag += np.abs(np.repeat(mins, 32, axis=1))
     xd = np.repeat(dx, 32, axis=1).astype(np.float64)
-    return (xd * (0.5 + 2.0**-16)) @ w.T + 8 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
+    return (xd * (0.5 + 2.0**-16)) @ w.T + 6 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
 
 
 # ---- kernel shapes -------------------------------------------------------------------------------------------
