@@ -81,7 +81,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
             if (m < mv && j < words) cp_async16(xs + m * XROW + 16 * j, x + (m0 + m) * Q::X_ROW_BYTES + (long long)s * XS + 16 * j, true);
         }
     };
-    // Item t's rows, slice, and the widened byte range [from, to) of its row i (the row's slice bytes).
+    // Item t: its first row, slice, number of rows, and the bytes of a row's slice.
     struct Item {
         int p0, s, nrows;
         long long bytes;
@@ -97,17 +97,16 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         const Item it = item(t);
         unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
         const int xwords = (XFULL ? 0 : min(SV, K - it.s * SV) / F::BLOCK_VALUES * F::XB / 16);
+        // row i's slice widened to 16-byte words: from its word, `size` bytes
+        const auto from = [&](int i) { return slice_start(it.p0 + i, it.s) & ~15ll; };
+        const auto size = [&](int i) {
+            return static_cast<unsigned>(((slice_start(it.p0 + i, it.s) + it.bytes + 15) & ~15ll) - from(i));
+        };
         unsigned total = static_cast<unsigned>(mv * xwords * 16);
-        for (int i = 0; i < it.nrows; ++i) {
-            const long long start = slice_start(it.p0 + i, it.s);
-            total += static_cast<unsigned>(((start + it.bytes + 15) & ~15ll) - (start & ~15ll));
-        }
+        for (int i = 0; i < it.nrows; ++i) total += size(i);
         fence_proxy_async();  // every warp's reads of the stage's previous item before the engine writes
         mbar_expect_tx(&full[t % STAGES], total);
-        for (int i = 0; i < it.nrows; ++i) {
-            const long long start = slice_start(it.p0 + i, it.s), from = start & ~15ll;
-            bulk_g2s(tile + i * SLOT, W + from, static_cast<unsigned>(((start + it.bytes + 15) & ~15ll) - from), &full[t % STAGES]);
-        }
+        for (int i = 0; i < it.nrows; ++i) bulk_g2s(tile + i * SLOT, W + from(i), size(i), &full[t % STAGES]);
         for (int m = 0; m < mv && xwords; ++m)
             bulk_g2s(tile + G * SLOT + m * XROW, x + (m0 + m) * Q::X_ROW_BYTES + (long long)it.s * XS, xwords * 16, &full[t % STAGES]);
     };
@@ -158,7 +157,8 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         __syncthreads();              // ... and for everyone's; every warp is done with item t - 1's stage
         issue(t + STAGES - 1);        // into that stage
 #endif
-        const int p0 = r0 + t / SLICES * G, s = t % SLICES, nrows = min(G, r1 - p0);
+        const Item it = item(t);
+        const int p0 = it.p0, s = it.s, nrows = it.nrows;
         const unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
         const int b = lane / F::PIECES, p = lane % F::PIECES;  // this lane's block in the slice and piece in it
         const unsigned char* xs = (XFULL ? smem + s * XS : tile + G * SLOT) + b * F::XB;
