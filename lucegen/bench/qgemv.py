@@ -3,8 +3,8 @@
 Y [M, N] = X [M, K] W^T for W in each format of the spec, M in MS, on the 27B's widest matrices (SHAPES). The
 figure of merit is the quantized weight bytes over the time per call: for M = 1 the GEMV should stream them at the
 read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M shows where the arithmetic per
-activation row takes over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that L2 does
-not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
+activation row takes over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that
+L2 does not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
 
 The time per call includes, for the quantized formats, the quantization of X to 8 bits per 32 values (a second
 kernel). What that quantization costs in accuracy is recorded beside the speed: the relative error (Frobenius) of
