@@ -73,12 +73,14 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 
     // Start of row `row`'s slice s in W (bytes).
     const auto slice_start = [](int row, int s) { return (long long)row * Q::ROW_BYTES + (long long)s * Q::SLICE_BYTES; };
+    // Activation row m0 + m's bytes of slice s in global memory, and their 16-byte words.
+    const auto x_slice = [&](int m, int s) { return x + (m0 + m) * Q::X_ROW_BYTES + (long long)s * XS; };
+    const auto x_words = [](int s) { return min(SV, K - s * SV) / F::BLOCK_VALUES * F::XB / 16; };
     // The M-tile's activations of slice s into xs (row m at xs + m * XROW).
     const auto copy_x = [&](unsigned char* xs, int s) {
-        const int words = min(SV, K - s * SV) / F::BLOCK_VALUES * F::XB / 16;
         for (int c = threadIdx.x; c < MT * (XS / 16); c += THREADS) {
             const int m = c / (XS / 16), j = c % (XS / 16);
-            if (m < mv && j < words) cp_async16(xs + m * XROW + 16 * j, x + (m0 + m) * Q::X_ROW_BYTES + (long long)s * XS + 16 * j, true);
+            if (m < mv && j < x_words(s)) cp_async16(xs + m * XROW + 16 * j, x_slice(m, s) + 16 * j, true);
         }
     };
     // Item t: its first row, slice, number of rows, and the bytes of a row's slice.
@@ -96,7 +98,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const auto issue = [&](int t) {
         const Item it = item(t);
         unsigned char* tile = stages + (t % STAGES) * Q::STAGE_BYTES;
-        const int xwords = (XFULL ? 0 : min(SV, K - it.s * SV) / F::BLOCK_VALUES * F::XB / 16);
+        const int xwords = XFULL ? 0 : x_words(it.s);
         // row i's slice widened to 16-byte words: from its word, `size` bytes
         const auto from = [&](int i) { return slice_start(it.p0 + i, it.s) & ~15ll; };
         const auto size = [&](int i) {
@@ -108,7 +110,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         mbar_expect_tx(&full[t % STAGES], total);
         for (int i = 0; i < it.nrows; ++i) bulk_g2s(tile + i * SLOT, W + from(i), size(i), &full[t % STAGES]);
         for (int m = 0; m < mv && xwords; ++m)
-            bulk_g2s(tile + G * SLOT + m * XROW, x + (m0 + m) * Q::X_ROW_BYTES + (long long)it.s * XS, xwords * 16, &full[t % STAGES]);
+            bulk_g2s(tile + G * SLOT + m * XROW, x_slice(m, it.s), xwords * 16, &full[t % STAGES]);
     };
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; ++i) mbar_init(&full[i], 1);

@@ -80,8 +80,8 @@ __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
 
 // ---- activations quantized per 32 values ----------------------------------------------------------------------
 // qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and the sum of the 32 qx (Q4_0's
-// offset and the K-quants' mins multiply it). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
-// below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
+// offset and the K-quants' mins multiply it). 48 bytes, so that a row of them is whole 16-byte words. (A block
+// whose max|x| is below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
 struct alignas(16) XBlock {
     int q[8];  // 32 int8, little-endian in 8 words
     float d;
@@ -290,7 +290,8 @@ struct FmtK4 {
         const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
         const int4 meta = x.meta();
-        return group_term(__int_as_float(meta.x), pc.ds, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)), pc.dm, meta.y);
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
+        return group_term(__int_as_float(meta.x), pc.ds, u, pc.dm, meta.y);
     }
 };
 using FmtQ4_K = FmtK4<false>;
@@ -318,7 +319,8 @@ struct FmtQ6_K {
         load_words_a2<8>(block + 128 + 32 * h, qh);
 #pragma unroll
         for (int i = 0; i < 8; ++i)  // each byte: the low nibble from ql, bits 4-5 from qh; q in 0 .. 63, minus 32
-            pc.q[i] = __vsub4(((ql[i] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * k)) << 4) & 0x30303030u), 0x20202020u);
+            pc.q[i] = __vsub4(((ql[i] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * k)) << 4) & 0x30303030u),
+                              0x20202020u);
         const unsigned sc = *reinterpret_cast<const unsigned short*>(block + 192 + 8 * h + 2 * k);
         pc.sc[0] = static_cast<signed char>(sc & 0xFFu);
         pc.sc[1] = static_cast<signed char>(sc >> 8);

@@ -107,7 +107,8 @@ def test_qmatmul_matches_numpy(ops, pair, m, n, seed):
 
 
 @SETTINGS
-@given(pair=st.sampled_from([p for p in PAIRS if p[0] != "bf16"]), m=st.sampled_from(MS), seed=st.integers(0, 2**32 - 1))
+@given(pair=st.sampled_from([p for p in PAIRS if p[0] != "bf16"]), m=st.sampled_from(MS),
+       seed=st.integers(0, 2**32 - 1))
 def test_activation_quantization_is_bit_equal_to_numpy(ops, pair, m, seed):
     fmt, k = pair
     raw, x = draw(fmt, 1, k, m, seed)
