@@ -7,10 +7,21 @@
 //   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
 //   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
 //   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
-//   F::run(piece, r, w) the run's 8 values.
+//   F::run(piece, r, w) the run's 8 values,
+//   F::XB               bytes of activations per block, as the products read them (below),
+//   F::dot(piece, x)    the piece's contribution to a dot product with activations x (the block's XB bytes).
 // Per value the decode gives the bits numpy gives in quants.py, signed zeros included: fl(d * q) (Q8_0, Q4_0),
 // fl(fl(d * sc) * q) (Q6_K), fl(fl(fl(d * sc) * q) - fl(dmin * m)) (Q4_K, Q5_K; one FFMA, see FmtK4::run). The
 // _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
+//
+// Products. bf16 rows multiply fp32 activations (XB = 32: the block's 8 floats) in fp32, in dot8_bf16's order.
+// The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1),
+// a piece (32 values: one activation block) at a time: an integer dot product u (dp4a), then in fp32
+//   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0: u = sum of (q - offset) qx, a = d;
+//                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d)
+//   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K: u = sum of q qx, a = fl(d sc), b = fl(dmin m), v = sum of qx)
+// Every integer is exact and below 2^24, so its conversion to float is too. lucegen/kernels/qgemv.py emulates
+// this in numpy bit for bit (piece_terms).
 #pragma once
 #include <cuda_fp16.h>
 
@@ -55,6 +66,81 @@ __device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (
     }
 }
 
+// 8 decoded weights dot 8 activations in fp32, in dot8_bf16's order.
+__device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
+    float acc = w[0] * x.lo.x;
+    acc = fmaf(w[1], x.lo.y, acc);
+    acc = fmaf(w[2], x.lo.z, acc);
+    acc = fmaf(w[3], x.lo.w, acc);
+    acc = fmaf(w[4], x.hi.x, acc);
+    acc = fmaf(w[5], x.hi.y, acc);
+    acc = fmaf(w[6], x.hi.z, acc);
+    return fmaf(w[7], x.hi.w, acc);
+}
+
+// ---- activations quantized per 32 values ----------------------------------------------------------------------
+// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and the sum of the 32 qx (Q4_0's
+// offset and the K-quants' mins multiply it). 48 bytes, so that a row of them is whole 16-byte words. (A block
+// whose max|x| is below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
+struct alignas(16) XBlock {
+    int q[8];  // 32 int8, little-endian in 8 words
+    float d;
+    int s;  // qx[0] + ... + qx[31]
+    int pad[2];
+    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s, pad}.
+    __device__ int4 quad(int i) const { return reinterpret_cast<const int4*>(q)[i]; }
+    __device__ int2 pair(int i) const { return reinterpret_cast<const int2*>(q)[i]; }
+    __device__ int4 meta() const { return *reinterpret_cast<const int4*>(&d); }
+};
+static_assert(sizeof(XBlock) == 48, "XBlock is three 16-byte words");
+
+// 32 fp32 values (16-byte aligned) -> their XBlock.
+__device__ __forceinline__ XBlock quantize_xblock(const float* x) {
+    float v[32];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float4 f = reinterpret_cast<const float4*>(x)[i];
+        v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    XBlock b;
+    b.d = __fdiv_rn(amax, 127.f);
+    const float inv = b.d == 0.f ? 0.f : __fdiv_rn(1.f, b.d);
+    b.s = b.pad[0] = b.pad[1] = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        unsigned word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = __float2int_rn(__fmul_rn(v[4 * w + i], inv));
+            b.s += q;
+            word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
+        }
+        b.q[w] = static_cast<int>(word);
+    }
+    return b;
+}
+
+// The sum of the products of the signed bytes of words w[i] and x[i].
+template <int N>
+__device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[N]) {
+    int u = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) u = __dp4a(static_cast<int>(w[i]), x[i], u);
+    return u;
+}
+__device__ __forceinline__ int dot_words(const unsigned (&w)[4], int4 x) { return dot_words(w, {x.x, x.y, x.z, x.w}); }
+
+// t = fl(dx * fl(a * u)) and t = fl(dx * fl(fl(a * u) - fl(b * v))): a group's contribution (see the top).
+__device__ __forceinline__ float group_term(float dx, float a, int u) {
+    return __fmul_rn(dx, __fmul_rn(a, static_cast<float>(u)));
+}
+__device__ __forceinline__ float group_term(float dx, float a, int u, float b, int v) {
+    return __fmul_rn(dx, __fsub_rn(__fmul_rn(a, static_cast<float>(u)), __fmul_rn(b, static_cast<float>(v))));
+}
+
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1;
@@ -71,6 +157,13 @@ struct FmtBf16 {
             w[2 * i] = __uint_as_float(u[i] << 16);
             w[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
         }
+    }
+    static constexpr int XB = 32;
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        float w[8];
+        run(pc, 0, w);
+        const float4* x = reinterpret_cast<const float4*>(xb);
+        return dot8(w, f32x8{x[0], x[1]});
     }
 };
 
@@ -93,6 +186,12 @@ struct FmtQ8_0 {
         const unsigned w0 = pc.q[2 * r] ^ 0x80808080u, w1 = pc.q[2 * r + 1] ^ 0x80808080u;  // bytes q + 128
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 128.f), pc.d);
+    }
+    static constexpr int XB = sizeof(XBlock);
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        return group_term(x.d, pc.d, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)));
     }
 };
 
@@ -118,14 +217,22 @@ struct FmtQ4_0 {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.d, byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 8.f));
     }
+    static constexpr int XB = sizeof(XBlock);
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block, q - 8
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
+        unsigned lo[4], hi[4];  // values 0-15, 16-31
+#pragma unroll
+        for (int i = 0; i < 4; ++i) lo[i] = pc.q[i] & 0x0F0F0F0Fu, hi[i] = (pc.q[i] >> 4) & 0x0F0F0F0Fu;
+        const int4 meta = x.meta();
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)) - 8 * meta.y;
+        return group_term(__int_as_float(meta.x), pc.d, u);
+    }
 };
 
 // ---- Q4_K / Q5_K: [0:2] d | [2:4] dmin | [4:16] scales[12] | (Q5_K: [16:48] qh[32]) | qs[128] ---------------
 // Sub-block j (32 values) has a 6-bit scale sc and min m (get_scale_min_k4); x = fl(fl(d*sc) * q - fl(dmin*m)).
-// Piece p (8 per block) = qs bytes 16p .. 16p+15, i.e. chunk c = p/2 (sub-blocks 2c, 2c+1), positions
-// l = 16(p%2) .. l+15: run r holds the low (r < 2) or high (r >= 2) nibbles of bytes 8(r%2) .. 8(r%2)+7 of the
-// piece, i.e. values 64c + 32(r/2) + l + 8(r%2) + 0..7 of sub-block 2c + r/2. Q5_K's fifth bit of value 32j + i is
-// bit j of qh[i].
+// Piece p (8 per block) = sub-block p: the low (p even) or high nibbles of qs bytes 32c .. 32c+31 (c = p/2); run r =
+// values 32p + 8r .. +7 = the nibbles of bytes 32c + 8r .. +7. Q5_K's fifth bit of value 32j + i is bit j of qh[i].
 __device__ __forceinline__ void scale_min_k4(int j, const uint4& h, unsigned& sc, unsigned& m) {
     // scales[0..3] in h.y, [4..7] in h.z, [8..11] in h.w (h.x holds d and dmin)
     const auto s = [&](int i) { return ((i < 4 ? h.y : i < 8 ? h.z : h.w) >> (8 * (i % 4))) & 0xFFu; };
@@ -143,83 +250,98 @@ struct FmtK4 {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4;
     static constexpr bool ALIGNED16 = true;
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
-    __host__ __device__ static constexpr int voff(int p, int r) {
-        return 64 * (p / 2) + 32 * (r / 2) + 16 * (p % 2) + 8 * (r % 2);
-    }
+    __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        uint4 q;
-        uint4 qh;  // Q5_K: qh bytes l .. l+15
-        float ds[2], dm[2];
-        int bit;  // Q5_K: the qh bit of sub-block 2c
+        unsigned q[8];  // the 32 values q (0 .. 15 or 31), one per byte
+        float ds, dm;   // fl(d * sc), fl(dmin * m)
+        int j;          // the sub-block
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
         const uint4 h = *reinterpret_cast<const uint4*>(block);
-        pc.q = *reinterpret_cast<const uint4*>(block + QS + 16 * p);
-        if constexpr (Q5) pc.qh = *reinterpret_cast<const uint4*>(block + 16 + 16 * (p % 2));
-        pc.bit = 2 * (p / 2);
-        const float d = half_to_float(h.x & 0xFFFFu), dmin = half_to_float(h.x >> 16);
+        const uint4 a = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2));
+        const uint4 b = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2) + 16);
+        const unsigned q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            unsigned sc, m;
-            scale_min_k4(pc.bit + s, h, sc, m);
-            pc.ds[s] = __fmul_rn(d, uint_to_float(sc));
-            pc.dm[s] = __fmul_rn(dmin, uint_to_float(m));
+        for (int i = 0; i < 8; ++i) pc.q[i] = (q[i] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+        if constexpr (Q5) {  // bit p of each qh byte -> bit 4 of the value's byte
+            const uint4 c = *reinterpret_cast<const uint4*>(block + 16), e = *reinterpret_cast<const uint4*>(block + 32);
+            const unsigned qh[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) pc.q[i] |= ((qh[i] >> p) << 4) & 0x10101010u;
         }
+        unsigned sc, m;
+        scale_min_k4(p, h, sc, m);
+        pc.ds = __fmul_rn(half_to_float(h.x & 0xFFFFu), uint_to_float(sc));
+        pc.dm = __fmul_rn(half_to_float(h.x >> 16), uint_to_float(m));
+        pc.j = p;
         return pc;
     }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
-        const int s = r / 2;
-        unsigned w0 = ((r % 2 ? pc.q.z : pc.q.x) >> (4 * s)) & 0x0F0F0F0Fu;
-        unsigned w1 = ((r % 2 ? pc.q.w : pc.q.y) >> (4 * s)) & 0x0F0F0F0Fu;
-        if constexpr (Q5) {  // bit j of each qh byte -> bit 4 of the value's byte
-            w0 |= (((r % 2 ? pc.qh.z : pc.qh.x) >> (pc.bit + s)) << 4) & 0x10101010u;
-            w1 |= (((r % 2 ? pc.qh.w : pc.qh.y) >> (pc.bit + s)) << 4) & 0x10101010u;
-        }
         // fl(fl(ds * q) - dm) in one FFMA: ds * q is exact (an fp16 times 6 bits, times 5 bits: <= 22 bits), and an
         // FMA rounds the exact ds * q - dm once, with the signed-zero rule of that sum.
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmaf_rn(pc.ds[s], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE), -pc.dm[s]);
+        for (int i = 0; i < 8; ++i)
+            w[i] = __fmaf_rn(pc.ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE), -pc.dm);
+    }
+    static constexpr int XB = 8 * sizeof(XBlock);
+    // One group: the sub-block, with activation block j.
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        const int4 meta = x.meta();
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
+        return group_term(__int_as_float(meta.x), pc.ds, u, pc.dm, meta.y);
     }
 };
 using FmtQ4_K = FmtK4<false>;
 using FmtQ5_K = FmtK4<true>;
 
 // ---- Q6_K: [0:128] ql | [128:192] qh | [192:208] int8 scales[16] | [208:210] d -------------------------------
-// Piece p (8 per block): half h = p/4, l = 8(p%4); run k = values 128h + 32k + l .. +7 of sub-block 8h + 2k + l/16:
-// low (k < 2) or high nibbles of ql[64h + 32(k%2) + l ..], bits 2k, 2k+1 of qh[32h + l ..]; x = fl(d*sc) * (q - 32).
+// Piece p (8 per block) = values 32p .. 32p+31: half h = p/4, k = p%4, positions l = 0..31 of the low (k < 2) or high
+// nibbles of ql[64h + 32(k%2) + l] and bits 2k, 2k+1 of qh[32h + l]; scales 8h + 2k (l < 16) and 8h + 2k + 1;
+// x = fl(d*sc) * (q - 32). Run r = values 32p + 8r .. +7 (scale r / 2 of the piece).
 struct FmtQ6_K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, PIECES = 8, RUNS = 4;
     static constexpr bool ALIGNED16 = false;
-    __host__ __device__ static constexpr int voff(int p, int r) { return 128 * (p / 4) + 32 * r + 8 * (p % 4); }
+    __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        unsigned ql[4];  // ql[64h + l ..] (words 0-1), ql[64h + 32 + l ..] (words 2-3)
-        unsigned qh[2];
-        float ds[4];
+        unsigned q[8];  // q - 32, signed bytes
+        int sc[2];      // the two scales
+        float d;
+        int j;          // p: the piece's activation block
     };
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
-        const int h = p / 4, l = 8 * (p % 4);
-        unsigned a[2], b[2], sc[2];
-        load_words_a2<2>(block + 64 * h + l, a);
-        load_words_a2<2>(block + 64 * h + 32 + l, b);
-        load_words_a2<2>(block + 128 + 32 * h + l, pc.qh);
-        load_words_a2<2>(block + 192 + 8 * h, sc);  // the half's 8 scales
-        pc.ql[0] = a[0], pc.ql[1] = a[1], pc.ql[2] = b[0], pc.ql[3] = b[1];
-        const float d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
+        const int h = p / 4, k = p % 4;
+        unsigned ql[8], qh[8];
+        load_words_a2<8>(block + 64 * h + 32 * (k % 2), ql);
+        load_words_a2<8>(block + 128 + 32 * h, qh);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int j = l / 16 + 2 * k;  // scale index within the half
-            pc.ds[k] = __fmul_rn(d, byte_minus((j < 4 ? sc[0] : sc[1]) ^ 0x80808080u, j % 4, MAGIC_U_VALUE + 128.f));
-        }
+        for (int i = 0; i < 8; ++i)  // each byte: the low nibble from ql, bits 4-5 from qh; q in 0 .. 63, minus 32
+            pc.q[i] = __vsub4(((ql[i] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * k)) << 4) & 0x30303030u),
+                              0x20202020u);
+        const unsigned sc = *reinterpret_cast<const unsigned short*>(block + 192 + 8 * h + 2 * k);
+        pc.sc[0] = static_cast<signed char>(sc & 0xFFu);
+        pc.sc[1] = static_cast<signed char>(sc >> 8);
+        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
+        pc.j = p;
         return pc;
     }
-    __device__ static void run(const Piece& pc, int k, float (&w)[8]) {
-        // each byte: the low nibble from ql, bits 4-5 from bits 2k, 2k+1 of qh: q in 0 .. 63
-        const unsigned w0 = ((pc.ql[2 * (k % 2)] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[0] >> (2 * k)) << 4) & 0x30303030u);
-        const unsigned w1 = ((pc.ql[2 * (k % 2) + 1] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((pc.qh[1] >> (2 * k)) << 4) & 0x30303030u);
+    __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
+        const float ds = __fmul_rn(pc.d, static_cast<float>(pc.sc[r / 2]));  // exact conversion: |sc| <= 128
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.ds[k], byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 32.f));
+        for (int i = 0; i < 8; ++i)  // bytes (q - 32) + 128
+            w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4] ^ 0x80808080u, i % 4, MAGIC_U_VALUE + 128.f));
+    }
+    static constexpr int XB = 8 * sizeof(XBlock);
+    // One group: the piece's 32 values, activation block p; the two scales multiply their halves' integer dots
+    // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d.
+    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
+        const int u = pc.sc[0] * dot_words(lo, x.quad(0)) + pc.sc[1] * dot_words(hi, x.quad(1));
+        return group_term(x.d, pc.d, u);
     }
 };
 

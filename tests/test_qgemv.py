@@ -93,27 +93,30 @@ def test_tuning_fits_each_spec_and_the_gemm_takes_the_largest_m_tile_that_fits(k
         for f in qgemv.FORMATS.values():
             v, m = qgemv.tuning(spec, f, k, gemm=False), qgemv.tuning(spec, f, k, gemm=True)
             assert v.mt == 1 and 2 <= v.stages <= 4 and 2 <= m.stages <= 4
-            assert v.smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
-            assert m.smem(f, k) <= spec.chip.smem_per_block
+            assert v.block_smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
+            assert m.block_smem(f, k) <= spec.chip.smem_per_block
             bigger = [mt for mt in qgemv.MT_CHOICES if mt > m.mt]
-            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).smem(f, k) > spec.chip.smem_per_block
+            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).block_smem(f, k) > spec.chip.smem_per_block
                        for mt in bigger)
             if not v.xfull:  # activations loaded with each stage only when all of them would not fit
-                assert dataclasses.replace(v, xfull=True, stages=2).smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
-    # the 3090's GEMV of K = 5120 holds all 5120 activations (20 KB), of K = 17408 (68 KB) only each stage's
-    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 5120, gemm=False).xfull
-    assert not qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 17408, gemm=False).xfull
+                assert dataclasses.replace(v, xfull=True, stages=2).block_smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
+    # the 3090's GEMV of K = 17408 holds all activations as XBlocks (26 KB), but only each stage's in fp32 (68 KB)
+    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 17408, gemm=False).xfull
+    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["bf16"], 5120, gemm=False).xfull
+    assert not qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["bf16"], 17408, gemm=False).xfull
 
 
 def test_shared_memory_sizes_worked_out_by_hand():
     q8 = qgemv.FORMATS["q8_0"]  # slices of 1024 values = 32 blocks = 1088 bytes, widened: 1104-byte slots
-    # 2 stages x (16 rows x 1104 + M-tile 2 x 1024 fp32)
-    assert qgemv.Tuning(256, 2, 2, 2, False).smem(q8, 5120) == 2 * (16 * 1104 + 2 * 1024 * 4)
-    # activations once: 8 rows x 5 slices x 1024 fp32, then 3 stages x 16 rows x 1104
-    assert qgemv.Tuning(256, 2, 8, 3, True).smem(q8, 5120) == 8 * 5 * 1024 * 4 + 3 * 16 * 1104
+    # 2 stages x (16 rows x 1104 + M-tile 2 x 32 XBlocks of 48 bytes)
+    assert qgemv.Tuning(256, 2, 2, 2, False).smem(q8, 5120) == 2 * (16 * 1104 + 2 * 32 * 48)
+    # activations once: 8 rows x 5 slices x 32 XBlocks, then 3 stages x 16 rows x 1104
+    assert qgemv.Tuning(256, 2, 8, 3, True).smem(q8, 5120) == 8 * 5 * 32 * 48 + 3 * 16 * 1104
+    bf16 = qgemv.FORMATS["bf16"]  # slices of 256 values = 512 bytes; activations fp32
+    assert qgemv.Tuning(256, 2, 4, 2, False).smem(bf16, 5120) == 2 * (16 * 512 + 4 * 256 * 4)
     spec = load_spec("rtx3090")
     small = dataclasses.replace(spec, chip=dataclasses.replace(spec.chip, smem_per_block=16384))
-    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 51712 bytes of shared memory; "
+    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 41488 bytes of shared memory; "
                                          "a block may use 16384"):
         qgemv.tuning(small, q8, 5120, gemm=True)
 
@@ -142,6 +145,23 @@ HOST_SHIM = r"""
 #define __host__
 #define __forceinline__ inline
 struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
+namespace lucegen { struct f32x8 { float4 lo, hi; }; }
+#include <math.h>  // fabsf, fmaxf, fmaf: the C library's, exact as the device's
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline int __float2int_rn(float a) { return static_cast<int>(std::nearbyint(a)); }  // ties to even
+static inline int __dp4a(int a, int b, int c) {  // signed bytes
+    for (int i = 0; i < 4; ++i) c += static_cast<int8_t>(a >> (8 * i)) * static_cast<int8_t>(b >> (8 * i));
+    return c;
+}
+static inline unsigned __vsub4(unsigned a, unsigned b) {  // per byte, modulo 256
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF)) & 0xFF) << (8 * i);
+    return r;
+}
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -167,8 +187,9 @@ HOST_MAIN = r"""
 #include <cstdlib>
 #include <vector>
 using namespace lucegen;
-// argv: rows k offset in out. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
-// boundary, exactly as qdequant does on the device.
+// argv: rows k offset in out [xin]. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
+// boundary, exactly as qdequant does on the device. With xin (XBlocks of one activation row; DOT defined): each
+// piece's F::dot with them instead, [rows, pieces]. With rows = 0: quantize_xblock on the floats of `in`.
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / F::BLOCK_VALUES * F::PIECES;
     const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
@@ -183,8 +204,34 @@ template <class F> void dequant(const unsigned char* w, float* out, long n, int 
             }
         }
 }
+#ifdef DOT
+template <class F> long dot(const unsigned char* w, const unsigned char* xb, float* out, long n, int k) {
+    const int pieces = k / F::BLOCK_VALUES * F::PIECES;
+    const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    for (long r = 0; r < n; ++r)
+        for (int t = 0; t < pieces; ++t) {
+            const int b = t / F::PIECES, p = t % F::PIECES;
+            out[r * pieces + t] = F::dot(F::load(w + r * row + static_cast<long>(b) * F::BLOCK_BYTES, p), xb + b * F::XB);
+        }
+    return n * pieces;
+}
+#endif
 int main(int argc, char** argv) {
     const long n = std::atol(argv[1]);
+    if (n == 0) {  // quantize: in = floats, out = their XBlocks
+        const int k = std::atoi(argv[2]);
+        std::vector<float> x(k + 4);
+        float* xa = x.data() + (4 - reinterpret_cast<size_t>(x.data()) % 16 / 4) % 4;
+        FILE* f = std::fopen(argv[4], "rb");
+        const size_t got = std::fread(xa, 4, k, f);
+        std::fclose(f);
+        std::vector<XBlock> q(k / 32);
+        for (int i = 0; i < k / 32; ++i) q[i] = quantize_xblock(xa + 32 * i);
+        f = std::fopen(argv[5], "wb");
+        std::fwrite(q.data(), sizeof(XBlock), q.size(), f);
+        std::fclose(f);
+        return got != static_cast<size_t>(k);
+    }
     const int k = std::atoi(argv[2]), offset = std::atoi(argv[3]);
     FILE* f = std::fopen(argv[4], "rb");
     std::vector<unsigned char> buf(1 << 20);
@@ -192,6 +239,19 @@ int main(int argc, char** argv) {
     const size_t got = std::fread(w, 1, buf.size() - 32, f);
     std::fclose(f);
     std::vector<float> out(n * k);
+#ifdef DOT
+    if (argc > 6) {
+        std::vector<unsigned char> xb(1 << 20);
+        f = std::fopen(argv[6], "rb");
+        const size_t xgot = std::fread(xb.data(), 1, xb.size(), f);
+        std::fclose(f);
+        const long count = DOT(w, xb.data(), out.data(), n, k);
+        f = std::fopen(argv[5], "wb");
+        std::fwrite(out.data(), 4, count, f);
+        std::fclose(f);
+        return xgot == 0;
+    }
+#endif
     DEQUANT(w, out.data(), n, k);
     f = std::fopen(argv[5], "wb");
     std::fwrite(out.data(), 4, out.size(), f);
@@ -201,9 +261,10 @@ int main(int argc, char** argv) {
 """
 
 
-def host_decoder(directory, header: str, cls: str):
-    """A host executable running the decode of format `cls` from templates/`header` (argv: rows k offset in out),
-    or a pytest skip where there is no host C++ compiler."""
+def host_decoder(directory, header: str, cls: str, products: bool = False):
+    """A host executable running the decode of format `cls` from templates/`header` (argv: rows k offset in out;
+    with `products`, also its F::dot and quantize_xblock: see HOST_MAIN), or a pytest skip where there is no host
+    C++ compiler."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler (g++ or clang++)")
@@ -213,8 +274,9 @@ def host_decoder(directory, header: str, cls: str):
     (directory / "cuda_fp16.h").write_text("#pragma once\n")
     (directory / "main.cpp").write_text(HOST_MAIN)
     exe = directory / f"decode_{cls}"
+    dot = [f"-DDOT=dot<{cls}>"] if products else []
     subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", f'-DHEADER="{header}"', f"-DDEQUANT=dequant<{cls}>",
-                    f"-I{directory}", str(directory / "main.cpp"), "-o", str(exe)], check=True, capture_output=True)
+                    *dot, f"-I{directory}", str(directory / "main.cpp"), "-o", str(exe)], check=True, capture_output=True)
     return exe
 
 
@@ -230,7 +292,7 @@ def host_decode(exe, raw: np.ndarray, k: int, offset: int, directory) -> np.ndar
 def host_decoders(tmp_path_factory):
     """{format: path of a host executable running quant.cuh's decode of that format}."""
     d = tmp_path_factory.mktemp("host_decode")
-    return {f.name: host_decoder(d, "quant.cuh", f.cls) for f in qgemv.FORMATS.values()}
+    return {f.name: host_decoder(d, "quant.cuh", f.cls, products=True) for f in qgemv.FORMATS.values()}
 
 
 @settings(max_examples=60, deadline=None)
@@ -245,3 +307,67 @@ def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt
     ours = host_decode(host_decoders[fmt], raw, k, offset, tmp_path_factory.mktemp("io"))
     theirs = gguf_quants.dequantize(raw, f.ggml)
     np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def draw_x(m: int, k: int, seed: int) -> np.ndarray:
+    """Activations: normal values of a random magnitude, some 32-value blocks all zero, some with one outlier."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k), dtype=np.float32) * np.float32(10 ** rng.uniform(-3, 3))).reshape(m, -1, 32)
+    x[rng.random(x.shape[:2]) < 0.1] = 0
+    outlier = rng.random(x.shape[:2]) < 0.1
+    x[outlier, rng.integers(0, 32)] *= 50
+    return x.reshape(m, k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_device_activation_quantization_is_bit_equal_to_numpy(host_decoders, tmp_path_factory, blocks, seed):
+    x = draw_x(1, 32 * blocks, seed)
+    d = tmp_path_factory.mktemp("xq")
+    x.tofile(d / "x.bin")
+    subprocess.run([str(host_decoders["q4_k"]), "0", str(x.size), "0", str(d / "x.bin"), str(d / "xq.bin")], check=True)
+    np.testing.assert_array_equal(np.fromfile(d / "xq.bin", np.uint8), qgemv.xblocks(x).ravel())
+
+
+def test_activation_quantization_worked_by_hand():
+    x = np.zeros((1, 64), np.float32)
+    x[0, :4] = [254, -127, 0.5, 1.5]  # dx = 2: 127, -63.5 -> -64 (ties to even), 0.25 -> 0, 0.75 -> 1
+    x[0, 16:18] = [3.0, 5.0]          # 1.5 -> 2, 2.5 -> 2
+    q, dx, sums = qgemv.quantize_x(x)
+    assert dx.tolist() == [[2.0, 0.0]]
+    assert q[0, :4].tolist() == [127, -64, 0, 1] and q[0, 16:18].tolist() == [2, 2] and not q[0, 32:].any()
+    assert sums.tolist() == [[68, 0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from([f for f in sorted(qgemv.FORMATS) if f != "bf16"]), n=st.integers(1, 3),
+       blocks=st.integers(1, 5), offset=st.sampled_from([0, 2, 6, 14]), seed=st.integers(0, 2**32 - 1))
+def test_device_products_are_bit_equal_to_piece_terms(host_decoders, tmp_path_factory, fmt, n, blocks, offset, seed):
+    f = qgemv.fmt_of(fmt)
+    if f.aligned16:
+        offset = 0
+    k = blocks * f.block_values
+    raw, x = draw_rows(fmt, n, k, seed), draw_x(1, k, seed + 1)
+    d = tmp_path_factory.mktemp("dot")
+    raw.tofile(d / "in.bin")
+    qgemv.xblocks(x).tofile(d / "x.bin")
+    subprocess.run([str(host_decoders[fmt]), str(n), str(k), str(offset), str(d / "in.bin"), str(d / "out.bin"),
+                    str(d / "x.bin")], check=True)
+    ours = np.fromfile(d / "out.bin", np.float32).reshape(n, -1)
+    np.testing.assert_array_equal(ours.view(np.uint32), qgemv.piece_terms(raw, fmt, x)[0].view(np.uint32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from([f for f in sorted(qgemv.FORMATS) if f != "bf16"]), n=st.integers(1, 8),
+       blocks=st.integers(1, 6), m=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_quantized_products_stay_within_the_quantization_bound(fmt, n, blocks, m, seed):
+    k = blocks * qgemv.fmt_of(fmt).block_values
+    raw, x = draw_rows(fmt, n, k, seed), draw_x(m, k, seed + 1)
+    exact = qgemv.reference(raw, fmt, x)
+    ours = qgemv.piece_terms(raw, fmt, x).sum(axis=-1, dtype=np.float64)
+    bound = qgemv.quantization_bound(raw, fmt, x)
+    assert (np.abs(ours - exact) <= bound).all()
+    # and the bound is not vacuous: about sum |w| max|x of its block| / 254 (8-bit activations), not more than / 200
+    w = np.abs(quants.dequantize(raw, qgemv.fmt_of(fmt).ggml)).astype(np.float64)
+    block_max = np.repeat(np.abs(x).reshape(m, -1, 32).max(axis=-1), 32, axis=1).astype(np.float64)
+    assert (bound <= block_max @ w.T / 200).all()

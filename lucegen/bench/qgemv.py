@@ -2,12 +2,17 @@
 
 Y [M, N] = X [M, K] W^T for W in each format of the spec, M in MS, on the 27B's widest matrices (SHAPES). The
 figure of merit is the quantized weight bytes over the time per call: for M = 1 the GEMV should stream them at the
-read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M shows where the fp32 FMAs of the
-M-tile take over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that L2 does
-not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
+read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M shows where the arithmetic per
+activation row takes over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that
+L2 does not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
+
+The time per call includes, for the quantized formats, the quantization of X to 8 bits per 32 values (a second
+kernel). What that quantization costs in accuracy is recorded beside the speed: the relative error (Frobenius) of
+the M = 1 output against the exact product in float64 on normal activations.
 
 Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
-"<format> <N>x<K> M=<M>"; cublas_bf16_us for the peer.
+"<format> <N>x<K> M=<M>"; qgemv_time_vs_m1 (time per call over the M = 1 call's, M > 1); qgemv_rel_err per format
+and shape (M = 1); cublas_bf16_us for the peer.
 """
 from __future__ import annotations
 
@@ -86,6 +91,13 @@ def run(recorder: Recorder | None = None) -> None:
                 name = f"{fmt} {n}x{k} M={m}"
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                            read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label)
+                if m == 1:
+                    us_m1 = us
+                    exact = qgemv.reference(raw, fmt, x.numpy().reshape(1, k))
+                    err = float(np.linalg.norm(y.numpy().reshape(1, n) - exact) / np.linalg.norm(exact))
+                    rec.record("qgemv_rel_err", f"{fmt} {n}x{k} M=1", err, "fraction", None, shape=label)
+                else:  # the goal for a tree verify: M = 16 within about 2x of M = 1
+                    rec.record("qgemv_time_vs_m1", name, us / us_m1, "ratio", None, shape=label)
                 peer = _torch_mm_us(n, k, m, max(1, -(-4 * info.l2_bytes // (2 * n * k)))) if fmt == "q4_k" else None
                 if peer is not None:
                     rec.record("cublas_bf16_us", f"bf16 {n}x{k} M={m}", peer, "us", peer="torch.mm (cuBLAS)")

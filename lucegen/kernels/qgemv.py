@@ -2,13 +2,18 @@
 
 W is stored exactly as in the GGUF file (lucegen.model.quants' layouts; bf16 as plain bf16 rows), X is fp32
 [M, K], Y fp32 [M, N]. The kernels (templates/qgemv.cuh) stream W through shared memory once (16-byte cp.async),
-decode each weight piece once in registers, bit-equal to quants.dequantize, and multiply it into an M-tile of
-activation rows held in shared memory as fp32: MT = 1 for the decode GEMV, up to 8 for the GEMM of a tree verify.
+load each weight piece once into registers and multiply it into an M-tile of activation rows held in shared
+memory: MT = 1 for the decode GEMV, up to 16 for the GEMM of a tree verify. bf16 rows multiply fp32 activations
+in fp32. The quantized formats multiply activations quantized to 8 bits per 32 values (quantize_x, as llama.cpp's
+q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values in fp32 in a
+fixed order (quant.cuh's top comment): piece_terms emulates that in numpy bit for bit, and quantization_bound bounds
+its distance from the exact product. Why: decoding every weight to fp32 and multiplying it with an FMA per
+activation row is bound by arithmetic, not bytes, from M = 1 on an H200 (21% of the read rate for Q4_K); dp4a
+does four products in one instruction, on bytes that need no conversion.
+
 M is any number of rows, in M-tiles; the weights are re-read once per M-tile, by blocks that run side by side so
-that the re-reads come from L2. Why a tile of 8, not all 64 rows at once: 64 rows of activations do not fit in
-shared memory beside the weight stages, nor 64 x rows-per-warp accumulators in registers, and with fp32 FMAs the
-kernel is bound by arithmetic, not bytes, from about 8 rows on an RTX 3090 (sooner on an H200). Every (format, K)
-gets both kernels, with the same arithmetic per output, so a GEMM row is the GEMV of that row bit for bit.
+that the re-reads come from L2. Every (format, K) gets a GEMV and a GEMM with the same arithmetic per output (it
+depends on neither the M-tile nor the grid), so a GEMM row is the GEMV of that row bit for bit.
 """
 from __future__ import annotations
 
@@ -20,12 +25,14 @@ import numpy as np
 
 from ..codegen.unit import KernelSig, KernelUnit
 from ..model.config import ModelConfig
-from ..model.quants import GGMLType, block_shape, dequantize, quantize
+from ..model.quants import GGMLType, _half, _nibbles_k, _scale_min_k4, dequantize, quantize
 from ..runtime.memory import DeviceArray
 from ..spec import WEIGHT_FORMATS, ChipSpec
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
-MT_CHOICES = (8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
+MT_CHOICES = (16, 8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
+XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, padding
+VERIFY_ROWS = 64   # activation rows QMatmul makes room for up front (a tree verify's budget)
 RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 
 
@@ -40,6 +47,20 @@ class Format:
     block_bytes: int
     pieces: int
     aligned16: bool
+
+    @property
+    def quantizes_x(self) -> bool:
+        """Activations quantized to XBlocks (integer products, a piece of 32 values at a time), not fp32 (bf16)."""
+        return self.ggml != GGMLType.BF16
+
+    @property
+    def x_block_bytes(self) -> int:
+        """Activation bytes per weight block as the kernels read them (quant.cuh's F::XB)."""
+        return self.block_values // 32 * XBLOCK_BYTES if self.quantizes_x else 4 * self.block_values
+
+    @property
+    def x_slice_bytes(self) -> int:
+        return self.slice_values // self.block_values * self.x_block_bytes
 
     @property
     def slice_values(self) -> int:
@@ -92,9 +113,108 @@ def encode(w: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """Y [M, N] = X [M, K] times the dequantized rows of raw [N, row_bytes]^T, in float64."""
+    """Y [M, N] = X [M, K] times the dequantized rows of raw [N, row_bytes]^T, in float64: the exact product."""
     w = dequantize(raw, fmt_of(fmt).ggml).astype(np.float64)
     return np.atleast_2d(x).astype(np.float64) @ w.T
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activations [M, K] (K a multiple of 32) as quant.cuh's quantize_xblock makes them: per 32 values
+    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sum of the 32 qx.
+    Returns qx int32 [M, K], dx float32 [M, K/32], sums int32 [M, K/32]."""
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"activations of K = {k} values: quantized products need K a multiple of 32")
+    b = x.reshape(m, k // 32, 32)
+    dx = np.abs(b).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx > 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv[..., None]).astype(np.int32)
+    return q.reshape(m, k), dx, q.sum(axis=-1, dtype=np.int32)
+
+
+def xblocks(x: np.ndarray) -> np.ndarray:
+    """The bytes [M, K/32 * 48] the qquant_x kernel writes for activations x (quant.cuh's XBlock)."""
+    q, dx, sums = quantize_x(x)
+    m, k = q.shape
+    out = np.zeros((m, k // 32, XBLOCK_BYTES), np.uint8)
+    out[..., :32] = q.astype(np.int8).view(np.uint8).reshape(m, k // 32, 32)
+    out[..., 32:36] = dx.astype("<f4")[..., None].view(np.uint8)
+    out[..., 36:40] = sums.astype("<i4")[..., None].view(np.uint8)
+    return out.reshape(m, -1)
+
+
+def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The weights as the integer products read them, in pieces of 32 values: q int32 [N, K] (Q4_0: q - 8;
+    Q6_K: sc * (q - 32), its int8 scale of 16 values folded in; q as stored for the formats with mins), the scale
+    of each piece float32 [N, K/32] (Q4_K, Q5_K: fl(d * sc); the others: d) and its min (Q4_K, Q5_K:
+    fl(dmin * m); None for the others)."""
+    n = len(raw)
+    blk = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, fmt.block_bytes)
+    mins = None
+    if fmt.ggml == GGMLType.Q8_0:
+        q, scale = blk[:, 2:].view(np.int8).astype(np.int32), _half(blk[:, 0:2])
+    elif fmt.ggml == GGMLType.Q4_0:
+        q, scale = np.concatenate([blk[:, 2:] & 0xF, blk[:, 2:] >> 4], axis=1).astype(np.int32) - 8, _half(blk[:, 0:2])
+    elif fmt.ggml == GGMLType.Q6_K:
+        ql = blk[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
+        ql = (ql & 0xF).reshape(-1, 2, 4, 32)
+        qh = (blk[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        sc = np.repeat(blk[:, 192:208].view(np.int8).astype(np.int32), 16, axis=1)
+        q = ((ql | (qh << 4)).astype(np.int32) - 32).reshape(-1, 256) * sc
+        scale = np.repeat(_half(blk[:, 208:210]), 8, axis=1)
+    else:  # Q4_K, Q5_K
+        q5 = fmt.ggml == GGMLType.Q5_K
+        sc, m = _scale_min_k4(blk[:, 4:16])
+        q = _nibbles_k(blk[:, 48:176] if q5 else blk[:, 16:144])
+        if q5:
+            q = q | (((blk[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        q = q.astype(np.int32)
+        scale = _half(blk[:, 0:2]) * sc
+        mins = (_half(blk[:, 2:4]) * m).reshape(n, -1)
+    return q.reshape(n, -1), scale.reshape(n, -1), mins
+
+
+
+
+
+def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+    """What each lane adds per piece in the quantized formats' kernels, bit for bit: float32 [M, N, pieces of a
+    row in K order], so that Y[m, n] is the fp32 sum of terms[m, n] (in the kernel's lane and warp order). Every
+    piece is one group of 32 values, with one activation block: t = fl(dx * fl(scale * u)), minus fl(min * v)
+    inside for the formats with mins."""
+    f = fmt_of(fmt)
+    if not f.quantizes_x:
+        raise ValueError(f"{f.name} multiplies fp32 activations: use reference()")
+    qx, dx, _ = quantize_x(x)
+    qw, scale, mins = _int_weights(raw, f)
+    n = len(raw)
+    out = []
+    for qm, dm in zip(qx, dx):
+        u = (qw.reshape(n, -1, 32) * qm.reshape(1, -1, 32)).sum(axis=-1).astype(np.float32)  # exact: |u| < 2^24
+        t = scale * u
+        if mins is not None:  # v: the XBlock's sum of qx
+            t = t - mins * qm.reshape(-1, 32).sum(axis=-1).astype(np.float32)
+        out.append(dm * t)
+    return np.stack(out)
+
+
+def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+    """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16)
+    (rint of fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and each term passes through
+    at most 6 fp32 roundings (fl(scale u), fl(min v), their difference, the scaling by dx, and up to two in the
+    exact product's own dequantized weight), each within 2^-24 of the magnitudes summed: (|scale q| + |min|)
+    |dx qx| per value."""
+    f = fmt_of(fmt)
+    qx, dx, _ = quantize_x(x)
+    qw, scale, mins = _int_weights(raw, f)
+    w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
+    mag = np.abs(np.repeat(scale, 32, axis=1) * qw).astype(np.float64)
+    if mins is not None:
+        mag += np.abs(np.repeat(mins, 32, axis=1))
+    xd = np.repeat(dx, 32, axis=1).astype(np.float64)
+    return (xd * (0.5 + 2.0**-16)) @ w.T + 6 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
 
 
 # ---- kernel shapes -------------------------------------------------------------------------------------------
@@ -110,27 +230,32 @@ class Tuning:
         """Dynamic shared memory: per stage, the pass's rows' slice (and the M-tile's activations of the slice),
         or once, the M-tile's activations of every slice."""
         g = self.threads // 32 * self.rows
-        x = self.mt * fmt.slice_values * 4 * (-(-k // fmt.slice_values) if self.xfull else 1)
+        x = self.mt * fmt.x_slice_bytes * (-(-k // fmt.slice_values) if self.xfull else 1)
         return (x if self.xfull else 0) + self.stages * (g * fmt.slot_bytes + (0 if self.xfull else x))
+
+    def block_smem(self, fmt: Format, k: int) -> int:
+        """All the shared memory of a block: the dynamic part and one 8-byte mbarrier per stage (static, sm_90+;
+        counted on every chip, for one rule)."""
+        return self.smem(fmt, k) + 8 * self.stages
 
 
 def tuning(spec: ChipSpec, fmt: Format, k: int, gemm: bool) -> Tuning:
     """The GEMV (MT = 1) or GEMM tuning of a spec: the spec's GEMV threads and rows per warp; the GEMM's M-tile
-    the largest (8, 4, 2) whose two stages fit a block. Then, within the budget (the GEMV: room for two blocks
+    the largest of MT_CHOICES whose two stages fit a block. Then, within the budget (the GEMV: room for two blocks
     per SM; the GEMM: one block), activations loaded once if that leaves two stages, and the most stages (up to 4)."""
     g, c = spec.tuning.gemv, spec.chip
     base = Tuning(threads=g.threads, rows=g.rows_per_warp, mt=1, stages=2, xfull=False)
     if gemm:
-        fits = [mt for mt in MT_CHOICES if dataclasses.replace(base, mt=mt).smem(fmt, k) <= c.smem_per_block]
+        fits = [mt for mt in MT_CHOICES if dataclasses.replace(base, mt=mt).block_smem(fmt, k) <= c.smem_per_block]
         base = dataclasses.replace(base, mt=fits[0] if fits else MT_CHOICES[-1])
         budget = c.smem_per_block
     else:
         budget = min(c.smem_per_block, c.smem_per_sm // 2 - RESERVED_SMEM)
     options = [dataclasses.replace(base, xfull=x, stages=n) for x in (True, False) for n in (4, 3, 2)]
-    t = next((o for o in options if o.smem(fmt, k) <= budget), base)
-    if t.smem(fmt, k) > c.smem_per_block:
+    t = next((o for o in options if o.block_smem(fmt, k) <= budget), base)
+    if t.block_smem(fmt, k) > c.smem_per_block:
         raise ValueError(f"{spec.name}: {fmt.name} {'GEMM' if gemm else 'GEMV'} of K = {k} with {t} needs "
-                         f"{t.smem(fmt, k)} bytes of shared memory; a block may use {c.smem_per_block}")
+                         f"{t.block_smem(fmt, k)} bytes of shared memory; a block may use {c.smem_per_block}")
     return t
 
 
@@ -185,9 +310,10 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
                                 "xfull": t.xfull, "smem": t.smem(fmt, k), "min_blocks": 1 if gemm else 2})
         threads = spec.tuning.gemv.threads
         sigs = tuple(KernelSig(k["name"], threads, dynamic_smem=k["smem"]) for k in kernels)
+        quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
                               {"fmt": fmt.name, "cls": fmt.cls, "threads": threads, "kernels": kernels},
-                              (*sigs, KernelSig(f"qdequant_{fmt.name}", threads))))
+                              (*sigs, *quant, KernelSig(f"qdequant_{fmt.name}", threads))))
     return out
 
 
@@ -202,7 +328,9 @@ def device_weights(raw: np.ndarray) -> DeviceArray:
 
 
 class QMatmul:
-    """Y [M, N] = X [M, K] W^T for W [N, K] in format `fmt`: the GEMV kernel for M = 1, the GEMM for M > 1."""
+    """Y [M, N] = X [M, K] W^T for W [N, K] in format `fmt`: the GEMV kernel for M = 1, the GEMM for M > 1. For the
+    quantized formats X is first quantized (qquant_x) into a scratch buffer this object owns: calls that may run
+    at the same time on different streams need one QMatmul each."""
 
     def __init__(self, module, spec: ChipSpec, fmt: str, k: int):
         self.fmt, self.k = fmt_of(fmt), k
@@ -218,6 +346,11 @@ class QMatmul:
             if per_sm < 1:
                 raise RuntimeError(f"{kernel.name} does not fit an SM ({t.threads} threads, {smem} bytes)")
             self.ops.append((kernel, t, smem, per_sm * spec.chip.sm_count))
+        self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
+        self.quant_blocks = 4 * spec.chip.sm_count
+        # quantized activations: room for a tree verify's rows up front (no allocation in the calls a graph may
+        # capture), grown if a call brings more
+        self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
 
     def grid(self, m: int) -> int:
         """Blocks for M rows: whole groups of one block per M-tile (consecutive, so they share L2)."""
@@ -234,6 +367,14 @@ class QMatmul:
         if x.size < m * self.k or y.size < m * n or x.dtype != np.float32 or y.dtype != np.float32:
             raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}]; got {x} and {y}")
         kernel, t, smem, _ = self.ops[m > 1]
+        if self.quant is not None:
+            blocks = m * self.k // 32
+            if self.xq.nbytes < blocks * XBLOCK_BYTES:
+                self.xq.free()
+                self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
+            threads = t.threads
+            self.quant(min(self.quant_blocks, -(-blocks // threads)), threads, x, self.xq, blocks, stream=stream)
+            x = self.xq
         kernel(self.grid(m), t.threads, w, x, y, n, m, smem=smem, stream=stream)
 
 

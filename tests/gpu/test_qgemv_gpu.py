@@ -1,5 +1,7 @@
 """Quantized GEMV / small-M GEMM on the GPU against numpy, on freshly drawn blocks (quantized normal values, or
-random bytes with finite fp16 scales): the decode bit for bit, Y = X W^T within the fp32 summation bound, and each
+random bytes with finite fp16 scales) and activations (some 32-value blocks zero, some with an outlier): the decode
+bit for bit, the activation quantization bit for bit, Y within the fp32 summation bound of numpy's emulation of the
+kernel's terms (qgemv.piece_terms; bf16: of X W^T) and within the quantization bound of the exact X W^T, and each
 row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN) and allocated
 longer than the kernel may write, so a missed element and a stray write both show.
 
@@ -18,7 +20,7 @@ from lucegen.model.quants import dequantize
 from lucegen.runtime import DeviceArray, device_info
 from lucegen.spec import load_spec, spec_for_current_device
 
-from test_qgemv import draw_rows
+from test_qgemv import draw_rows, draw_x
 
 pytestmark = pytest.mark.gpu
 # K per format: whole blocks, one not a whole number of K-slices, the 27B widths
@@ -58,19 +60,21 @@ def written(a: DeviceArray, n: int) -> np.ndarray:
 
 
 def draw(fmt: str, n: int, k: int, m: int, seed: int):
-    raw = draw_rows(fmt, n, k, seed)
-    x = np.random.default_rng(seed ^ 0x5EED).standard_normal((m, k), dtype=np.float32)
-    return raw, x
+    return draw_rows(fmt, n, k, seed), draw_x(m, k, seed ^ 0x5EED)
 
 
-def summation_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """|Y - X W^T| bound of an fp32 sum (exact decoded weights) whose every term passes through at most 8 roundings
-    in its run's dot8, one per later run of its lane (runs per piece x K-slices) and 5 in the warp's butterfly:
-    (that count) * 2^-24 * |X| |W|^T, element by element."""
+def expected(raw: np.ndarray, fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(what the kernel sums, exactly, in float64; a bound on |Y - that|). bf16: X W^T (exact decoded weights),
+    every term through at most 8 roundings in its dot8, one per later slice of its lane and 5 in the warp's
+    butterfly: (that count) * 2^-24 * |X| |W|^T. Quantized formats: the sum of the kernel's per-piece terms
+    (qgemv.piece_terms, bit-exact), each through one rounding per later slice of its lane and 5 in the butterfly."""
     f = qgemv.fmt_of(fmt)
-    depth = 8 + f.slice_values // 256 * -(-x.shape[1] // f.slice_values) + 5
-    w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
-    return depth * 2.0**-24 * (np.abs(x).astype(np.float64) @ w.T)
+    slices = -(-x.shape[1] // f.slice_values)
+    if not f.quantizes_x:
+        w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
+        return qgemv.reference(raw, fmt, x), (8 + slices + 5) * 2.0**-24 * (np.abs(x).astype(np.float64) @ w.T)
+    terms = qgemv.piece_terms(raw, fmt, x).astype(np.float64)
+    return terms.sum(axis=-1), (slices + 5) * 2.0**-24 * np.abs(terms).sum(axis=-1)
 
 
 @SETTINGS
@@ -94,10 +98,24 @@ def test_qmatmul_matches_numpy(ops, pair, m, n, seed):
     y = poisoned(m * n)
     ops[0][pair](qgemv.device_weights(raw), DeviceArray.from_numpy(x), y, n, m)
     out = written(y, m * n).reshape(m, n).astype(np.float64)
-    ref = qgemv.reference(raw, fmt, x)
-    assert (np.abs(out - ref) <= summation_bound(raw, fmt, x)).all()
-    if m * n >= 64:  # over enough outputs that the norm is not one cancelling sum
+    ref, bound = expected(raw, fmt, x)
+    assert (np.abs(out - ref) <= bound).all()
+    if qgemv.fmt_of(fmt).quantizes_x:  # and the exact product within the argued quantization bound
+        assert (np.abs(out - qgemv.reference(raw, fmt, x)) <= qgemv.quantization_bound(raw, fmt, x) + bound).all()
+    elif m * n >= 64:  # over enough outputs that the norm is not one cancelling sum
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@SETTINGS
+@given(pair=st.sampled_from([p for p in PAIRS if p[0] != "bf16"]), m=st.sampled_from(MS),
+       seed=st.integers(0, 2**32 - 1))
+def test_activation_quantization_is_bit_equal_to_numpy(ops, pair, m, seed):
+    fmt, k = pair
+    raw, x = draw(fmt, 1, k, m, seed)
+    op = ops[0][pair]
+    op(qgemv.device_weights(raw), DeviceArray.from_numpy(x), poisoned(m), 1, m)
+    want = qgemv.xblocks(x).ravel()
+    np.testing.assert_array_equal(op.xq.numpy()[:want.size], want)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
