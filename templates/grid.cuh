@@ -97,11 +97,52 @@ struct GridBarrier {
     }
 };
 
-// The last block out resets the barrier so the next launch starts at zero. Call once, after the last barrier.
-__device__ __forceinline__ void grid_leave(GridBarrier& bar) {
+// Per-block ready counters, for a vector that blocks write in row shares and that later work reads by row ranges
+// (so it need not wait for every block): block b bumps counters[b] (a release) once it has written its share of
+// the vector; a block about to read rows written by blocks b0..b1 waits until their counters reach the number of
+// vectors published so far in this launch (acquire), which is the same in every block. Like the barrier's, the
+// counters only grow within a launch and grid_leave returns them to zero.
+struct ReadyFlags {
+    unsigned* counters;      // [gridDim.x]
+    unsigned published = 0;  // vectors every block has published (or is publishing) in this launch
+
+    // Block-wide: this block's share of the next vector is written.
+    __device__ __forceinline__ void publish() {
+        __syncthreads();
+        ++published;
+        if (threadIdx.x == 0) red_release(counters + blockIdx.x, 1u);
+    }
+
+    // Block-wide: wait until every block of each range blocks[i] = (first, last) has published the latest vector,
+    // running `idle()` in warp 0 between polls (warp-uniform). Each lane's last poll acquires what its blocks
+    // wrote; the __syncthreads passes it on.
+    template <int N, typename Idle>
+    __device__ __forceinline__ void wait(const int2 (&blocks)[N], Idle&& idle) {
+        if (threadIdx.x < 32) {
+            SpinGuard guard;
+            for (;;) {
+                bool ready = true;
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+                    for (int b = blocks[i].x + static_cast<int>(threadIdx.x); b <= blocks[i].y; b += 32)
+                        ready &= static_cast<int>(load_acquire(counters + b) - published) >= 0;
+                if (__all_sync(0xffffffffu, ready)) break;
+                idle();
+                guard("rows other blocks write", published, blocks[0].x);
+            }
+        }
+        __syncthreads();
+    }
+};
+
+// The last block out resets the barrier and the ready counters so the next launch starts at zero. Call once, after
+// the last barrier.
+__device__ __forceinline__ void grid_leave(GridBarrier& bar, ReadyFlags& ready) {
     __syncthreads();
     if (threadIdx.x == 0 && atomicAdd(bar.counters + 1, 1u) == gridDim.x - 1) {
-        bar.counters[0] = 0;  // every block has passed every barrier: nobody reads it any more
+        // every block has passed every barrier and every wait: nobody reads them any more
+        for (unsigned b = 0; b < gridDim.x; ++b) ready.counters[b] = 0;
+        bar.counters[0] = 0;
         bar.counters[1] = 0;
         __threadfence();
     }

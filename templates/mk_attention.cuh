@@ -40,6 +40,15 @@ __device__ __forceinline__ size_t kv_offset(int g, int p) {
     return ((size_t)p * M::ATT_NKV + g) * M::ATT_HD;
 }
 
+// The in-projection rows [x, y) the items of kv head g read: its query heads' [query | gate], its key and value.
+template <class M>
+__device__ __forceinline__ void attention_reads(int g, int2 (&rows)[3]) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, K0 = 2 * M::ATT_NH * HD;
+    rows[0] = make_int2(g * G * 2 * HD, (g + 1) * G * 2 * HD);
+    rows[1] = make_int2(K0 + g * HD, K0 + (g + 1) * HD);
+    rows[2] = make_int2(K0 + (M::ATT_NKV + g) * HD, K0 + (M::ATT_NKV + g + 1) * HD);
+}
+
 // The cached positions of an item's chunk (all kv heads' rows: they are interleaved by position).
 template <class M>
 __device__ __forceinline__ void attention_prefetch(const AttentionLayer& L, int item, int pos) {

@@ -5,8 +5,10 @@
 // Shapes come from M (the model, rendered from its config) and launch parameters from G (rendered from the chip
 // spec); nothing here knows a particular model size. See megakernel.cu.j2 for both.
 //
-// Phases. A step is 5 phases per layer plus the LM head, each ended by a grid barrier: 5L + 1 barriers a token
-// (121 for 24 layers), because each phase reads a whole vector the one before wrote in pieces:
+// Phases. A step is 5 phases per layer plus the LM head. Each is ended by a grid barrier, because it wrote in
+// pieces a whole vector the next one reads, except the in-projection: a recurrence or attention item reads only its
+// head's rows of it, so it waits for the few blocks that write those rows (ReadyFlags in grid.cuh: per-block
+// counters, release/acquire) instead of all of them. 4L + 1 barriers a token (97 for 24 layers):
 //
 //   phase   linear_attention layer                         full_attention layer            split over blocks
 //   0 IN    RMSNorm + [qkv | z | b | a] in-projection       RMSNorm + [q,gate | k | v]      rows
@@ -20,7 +22,7 @@
 //   LM      final RMSNorm + LM head + per-block argmax; after the barrier every block        rows
 //           merges the blocks' argmax (so the next token and EOS are known everywhere)
 //
-// What does not take a barrier: every block recomputes the small things it needs (the residual's RMSNorm, the
+// What does not take a barrier either: every block recomputes the small things it needs (the residual's RMSNorm, the
 // q/k of its DeltaNet head, the RoPE angles, a DeltaNet head's norm in the out-projection) instead of waiting for
 // one block to publish them; the last attention item of a kv head merges the partials (a ticket, not a barrier);
 // the argmax merge rides on the LM head's barrier. Barriers count arrivals on one ever-growing counter (grid.cuh):
@@ -36,7 +38,7 @@
 // norm weights, so those phases start on L2 latency.
 //
 // Time per token on the H200 (Qwen3.5-0.8B, 1.506 GB of weights): the weights at the measured 4.39 TB/s take
-// 343 us; the consumers' FMAs from shared memory ~60 us and the 121 barriers ~1 us each run under that stream
+// 343 us; the consumers' FMAs from shared memory ~60 us and the 97 barriers ~1 us each run under that stream
 // as long as the ring does not drain. Expected 360-400 us (2,500-2,800 tok/s); `lucegen bench decode` measures
 // it and attributes it per phase kind (skip_mask) and to the barriers alone.
 //
@@ -61,7 +63,8 @@ struct DecodeParams {
                                     // conv rings [K][conv_dim] and recurrent states [Hv][dv][dk] of the linear
                                     // layers, then keys and values [max_context][n_kv][head_dim] of the full ones
     float* act;                     // activations between phases (offsets M::ACT_*)
-    unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2..] attention tickets; zero at launch
+    unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2, 2 + ATT_NKV) attention tickets,
+                                    // then gridDim.x ready counters; zero at launch, and left at zero
     const int* prompt;              // step s < n_prompt reads prompt[s]; later steps read the previous argmax
     int n_prompt;
     int position;                   // position of step 0
@@ -87,6 +90,13 @@ struct Segment {
 __device__ __forceinline__ int2 block_rows(int n) {
     return make_int2(static_cast<int>(unsigned(n) * blockIdx.x / gridDim.x),
                      static_cast<int>(unsigned(n) * (blockIdx.x + 1) / gridDim.x));
+}
+
+// The first and the last block whose shares (block_rows) of n rows hold rows [r.x, r.y), r.x < r.y: row i is
+// block b's for the largest b with n b / gridDim.x <= i, i.e. n b < (i + 1) gridDim.x.
+__device__ __forceinline__ int2 row_blocks(int n, int2 r) {
+    return make_int2(static_cast<int>((unsigned(r.x + 1) * gridDim.x - 1) / unsigned(n)),
+                     static_cast<int>((unsigned(r.y) * gridDim.x - 1) / unsigned(n)));
 }
 
 // This block's weight segments of a step, in consumption order: per layer IN, OUT, GU, DOWN; then the LM head.
@@ -179,6 +189,7 @@ struct Decoder {
     Ring ring;
     Stream stream;    // stream.segments: this block's weight segments (the consumers read them too)
     GridBarrier bar;
+    ReadyFlags ready; // the in-projection's rows, per block that writes them
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
     int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
@@ -245,12 +256,26 @@ struct Decoder {
 
     static constexpr int REC_ITEMS = M::LIN_HV * (M::LIN_DV / M::LIN_SLICE);
 
+    // Block-wide: wait until the blocks that write in-projection rows `rows` (of n) have written them; warp 0
+    // keeps the ring full meanwhile.
+    template <int N>
+    __device__ void wait_rows(int n, const int2 (&rows)[N]) {
+        int2 blocks[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) blocks[i] = row_blocks(n, rows[i]);
+        ready.wait(blocks, [&] { ring.pump(stream); });
+    }
+
     __device__ void phase_mix(int l, int pos) {
         if (M::kind(l)) {
             if (skipped(ATT_CORE)) return;
             const AttentionLayer L = attention_layer(l);
             const int items = M::ATT_NKV * attention_chunks<M>(pos + 1, gridDim.x).y;
+            const int chunks = items / M::ATT_NKV;
             for (int i = blockIdx.x; i < items; i += gridDim.x) {
+                int2 rows[3];
+                attention_reads<M>(i / chunks, rows);
+                wait_rows(M::ATT_IN_ROWS, rows);
                 attention_item<M, THREADS>(L, i, pos, work, flag);
                 __syncthreads();
             }
@@ -259,6 +284,9 @@ struct Decoder {
             const DeltaNetLayer L = deltanet_layer(l);
             constexpr int SLICES = M::LIN_DV / M::LIN_SLICE;
             for (int i = blockIdx.x; i < REC_ITEMS; i += gridDim.x) {
+                int2 rows[5];
+                deltanet_reads<M>(i / SLICES, i % SLICES, rows);
+                wait_rows(M::LIN_IN_ROWS, rows);
                 deltanet_item<M, THREADS>(L, i / SLICES, i % SLICES, pos, work);
                 __syncthreads();
             }
@@ -355,11 +383,14 @@ struct Decoder {
         }
     }
 
-    // The grid barrier that ends phase k: warp 0 prefetches for a later phase and keeps the ring full meanwhile.
-    __device__ void barrier(int k, int pos) {
-        bar.arrive();
+    // The end of phase k: a grid barrier, during which warp 0 prefetches for a later phase and keeps the ring
+    // full; after an in-projection, only this block's ready counter (the next phase waits for the rows it reads).
+    __device__ void end_phase(int k, int pos) {
+        const bool by_rows = k < PHASES - 1 && k % 5 == 0;
+        if (by_rows) ready.publish();
+        else bar.arrive();
         if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
-        bar.wait([&] { ring.pump(stream); });
+        if (!by_rows) bar.wait([&] { ring.pump(stream); });
     }
 
     __device__ void run() {
@@ -381,11 +412,11 @@ struct Decoder {
                     case 3: phase_gate_up(l); break;
                     default: phase_down(l); break;
                 }
-                barrier(k, pos);
+                end_phase(k, pos);
             }
             if (k < limit) {  // the LM head and the argmax, unless phase_limit stopped the step before it
                 phase_lm_head(s);
-                barrier(k, pos);
+                end_phase(k, pos);
                 const int token = merged_argmax();
                 if (blockIdx.x == 0 && threadIdx.x == 0) {
                     p.tokens[s] = token;
@@ -397,7 +428,7 @@ struct Decoder {
             }
         }
         if (threadIdx.x < 32) ring.drain();
-        grid_leave(bar);
+        grid_leave(bar, ready);
     }
 };
 

@@ -47,6 +47,18 @@ __device__ __forceinline__ bool deltanet_writes_channel(int c, int vh, int slice
     return c >= 2 * M::LIN_DK || (vh % RATIO == 0 && c % SLICES == slice);
 }
 
+// The in-projection rows [x, y) item (vh, slice) reads: q and k of its key head, its value channels, b and a.
+template <class M>
+__device__ __forceinline__ void deltanet_reads(int vh, int slice, int2 (&rows)[5]) {
+    constexpr int DK = M::LIN_DK, C = M::LIN_CONV_DIM;
+    const int kh = vh / (M::LIN_HV / M::LIN_HK), v0 = 2 * M::LIN_KEY_DIM + vh * M::LIN_DV + slice * M::LIN_SLICE;
+    rows[0] = make_int2(kh * DK, (kh + 1) * DK);
+    rows[1] = make_int2(M::LIN_KEY_DIM + kh * DK, M::LIN_KEY_DIM + (kh + 1) * DK);
+    rows[2] = make_int2(v0, v0 + M::LIN_SLICE);
+    rows[3] = make_int2(C + M::LIN_VALUE_DIM + vh, C + M::LIN_VALUE_DIM + vh + 1);
+    rows[4] = make_int2(C + M::LIN_VALUE_DIM + M::LIN_HV + vh, C + M::LIN_VALUE_DIM + M::LIN_HV + vh + 1);
+}
+
 // The L2 lines item (vh, slice) reads first: its state slice, conv weights and conv-ring inputs, gates' weights.
 template <class M>
 __device__ __forceinline__ void deltanet_prefetch(const DeltaNetLayer& L, int vh, int slice, int pos) {

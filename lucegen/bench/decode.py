@@ -152,7 +152,7 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
         phase_gbs = moved[kind] / (us * 1e3) if us > 0 else 0.0
         print(f"  {kind:<14} {us:9.1f} {us / base:7.1%} {phase_gbs:7.0f}")
         rec.record(f"phase_us_{kind}", name, us, "us", None, bytes_per_token=moved[kind], gbs=round(phase_gbs, 1))
-    barriers = 5 * cfg.num_hidden_layers + 1
+    barriers = lay.barriers_per_token()
     idle = launch_ms(forced, skip_mask=(1 << len(PHASE_KINDS)) - 1) * 1e3 / TG
     print(f"  {'barriers only':<14} {idle:9.1f} {idle / base:7.1%}   ({barriers} a token: {idle / barriers:.2f} us each)")
     rec.record("barrier_us", name, idle / barriers, "us", None, barriers_per_token=barriers, idle_us_per_token=idle)

@@ -229,6 +229,11 @@ class Layout:
         """Block `block`'s rows [r0, r1) of an n-row GEMV (mk_decode.cuh: block_rows)."""
         return n * block // self.blocks, n * (block + 1) // self.blocks
 
+    def barriers_per_token(self) -> int:
+        """Grid barriers a decode step passes: 4 a layer (after the mixer, the out-projection, gate/up and down;
+        the in-projection's rows are waited for by the blocks that read them) and the LM head's."""
+        return 4 * self.cfg.num_hidden_layers + 1
+
     # ---- what the kernel reads per token ------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every layer, the final norm, the LM head and one embedding row."""
@@ -320,7 +325,9 @@ class Megakernel:
             for t, a in lay.packed(weights):
                 self.weights.view(a.shape, a.dtype, t.offset).copy_from(np.ascontiguousarray(a))
         self.act = DeviceArray.zeros(lay.act_floats, F32)
-        self.sync = DeviceArray.zeros(2 + cfg.num_key_value_heads, np.uint32)  # left at zero by every launch
+        # barrier, blocks left, attention tickets, ready counters (mk_decode.cuh: DecodeParams.sync); every launch
+        # leaves them at zero
+        self.sync = DeviceArray.zeros(2 + cfg.num_key_value_heads + lay.blocks, np.uint32)
 
     def _fill_random(self, build_root: Path, seed: int) -> None:
         """Uniform pseudo-random weights with the variances reference.random_weights gives (activations stay O(1)):
