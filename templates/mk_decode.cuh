@@ -193,6 +193,7 @@ struct Decoder {
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
     int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
+    float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
 
     __device__ const unsigned char* layer_base(int l) const { return p.weights + M::layer_offset(l); }
     template <class T>
@@ -205,7 +206,8 @@ struct Decoder {
     template <int K, class Epilogue>
     __device__ void gemv(int seg, Epilogue&& epilogue) {
         const Segment s = stream.segments(seg);
-        ring_gemv<K, G::group_rows(K), G::tile_rows(K), WARPS>(ring, stream, staged<K>(), s.r0, s.r1, epilogue);
+        ring_gemv<K, G::group_rows(K), G::tile_rows(K), G::k_split(K), WARPS>(ring, stream, staged<K>(), partials,
+                                                                             s.r0, s.r1, epilogue);
     }
 
     template <int K>

@@ -194,11 +194,15 @@ class Layout:
         # shared memory: ring slots hold whole rows (a gate/up pair at least, and the longest row)
         ks = (H, cfg.value_dim, nh * hd, I)
         self.slot_bytes = _align(max(spec.tuning.gemv.tile_bytes, 2 * 2 * H, 2 * max(ks)), 128)
+        self.partial_floats = max([-(-most // self.tiling(k)[0]) * self.tiling(k)[0] * self.k_split(k)
+                                   for k, counts in self.block_row_counts().items() for most in counts
+                                   if self.k_split(k) > 1], default=0)
         att_floats = (self.group * hd + 2 * hd + cfg.rotary_dim + 2 * self.warps + self.warps * hd
                       + self.max_chunks * self.group + self.group)
         self.work_bytes = _align(4 * max(max(ks), 2 * dk + self.dn_slice + 2, att_floats), 128)
         self.scratch_bytes = _align(8 * self.warps + 16, 128)
-        fixed = self.work_bytes + self.scratch_bytes
+        self.partial_bytes = _align(4 * self.partial_floats, 128)
+        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes
         budget = spec.chip.smem_per_block - SHARED_RESERVE - fixed
         self.slots = min(MAX_SLOTS, budget // (self.slot_bytes + 16))
         if self.slots < 2:
@@ -209,7 +213,8 @@ class Layout:
         self.smem_bars = self.slots * self.slot_bytes
         self.smem_work = _align(self.smem_bars + 16 * self.slots, 128)
         self.smem_scratch = self.smem_work + self.work_bytes
-        self.smem_bytes = self.smem_scratch + self.scratch_bytes
+        self.smem_partials = self.smem_scratch + self.scratch_bytes
+        self.smem_bytes = self.smem_partials + self.partial_bytes
 
     # ---- how the GEMVs are cut ----------------------------------------------------------------------------------
     def gemv_widths(self) -> list[int]:
@@ -224,6 +229,31 @@ class Layout:
         fit = self.slot_bytes // (2 * k)
         rows = 4 if fit >= 4 else 2 if fit >= 2 else 1
         return rows, fit // rows * rows
+
+    def block_row_counts(self) -> dict[int, list[int]]:
+        """Per row width k of the streamed matrices: the most rows a block takes of each width-k matrix."""
+        c, most = self.cfg, lambda n: -(-n // self.blocks)
+        H = c.hidden_size
+        out = {k: [] for k in self.gemv_widths()}
+        out[H] += [most(c.vocab_size), 2 * most(c.intermediate_size)]  # LM head; gate/up in (gate, up) pairs
+        out[c.intermediate_size].append(most(H))
+        if c.linear_layers:
+            out[H].append(most(lin_in_rows(c)))
+            out[c.value_dim].append(most(H))
+        if c.full_layers:
+            out[H].append(most(att_in_rows(c)))
+            out[c.num_attention_heads * c.head_dim].append(most(H))
+        return out
+
+    def k_split(self, k: int) -> int:
+        """K slices per row group of the width-k GEMVs (mk_decode.cuh: ring_gemv): where a block's rows make fewer
+        groups than there are consumer warps (a down-projection's 8 rows: 2 groups for 15 warps), each group's K
+        is cut so that about every warp has a unit, each slice at least 32 chunks of 16 bytes (one per lane)."""
+        counts = self.block_row_counts()[k]
+        if not counts:
+            return 1
+        groups = -(-min(counts) // self.tiling(k)[0])
+        return max(1, min((self.warps - 1) // groups, k // 8 // 32))
 
     def block_rows(self, n: int, block: int) -> tuple[int, int]:
         """Block `block`'s rows [r0, r1) of an n-row GEMV (mk_decode.cuh: block_rows)."""
@@ -277,7 +307,9 @@ class Layout:
             full={n.upper(): t.offset for n, t in self.full.items()},
             embed=self.embed.offset, final_norm=self.final_norm.offset, lm_head=self.lm_head.offset,
             act={n.upper(): o for n, o in self.act.items()},
-            tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1]) for k in self.gemv_widths()],
+            tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
+                     for k in self.gemv_widths()],
+            partial_floats=self.partial_floats, smem_partials=self.smem_partials,
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
             smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes)
