@@ -32,7 +32,11 @@
 // through a ring of G::SLOTS shared-memory slots (ring.cuh; bulk copies on sm_90+). Warp 0 produces (it keeps
 // the ring full during GEMVs, barriers and the recurrence / attention phases); warps 1.. consume. So DRAM keeps
 // streaming the next phase's weights while blocks synchronise, as long as a stall is shorter than the ring's
-// lookahead (SLOTS x SLOT_BYTES per SM: 192 KB, ~6 us of an H200 SM's share of DRAM). At the barrier ending
+// lookahead (SLOTS x SLOT_BYTES per SM: 192 KB, ~6 us of an H200 SM's share of DRAM). It is not: at 952 tok/s
+// DRAM was busy a third of a token (1.5 GB at 1.4 of 4.4 TB/s), the ring full the rest of it, waiting for the
+// phases' chain of barriers. So when warp 0 hands tile t to the ring it also asks L2 for tile
+// t + G::WEIGHT_PREFETCH_TILES (WeightStream; the spec's weight_prefetch_tiles): L2 holds that much more of the
+// stream (4 tiles: 128 KB an SM, 17 MB of the H200's 60 MB), and the ring's copies of it hit L2. At the barrier ending
 // phase k, warp 0 also prefetches into L2 the non-weight data of phase k + G::PREFETCH (the spec's
 // prefetch_distance; 1: the next phase): the recurrent state and conv inputs of the block's items, its KV chunk,
 // norm weights, so those phases start on L2 latency.
@@ -76,7 +80,7 @@ struct DecodeParams {
     int* n_done;                    // steps completed
     int phase_limit;                // >= 0: the last step runs only its first phase_limit phases (tests)
     int skip_mask;                  // PhaseKind bits (timing)
-    int prefetch;                   // 0: no L2 prefetch (timing)
+    int prefetch;                   // 0: no L2 prefetch, of weights or of other data (timing)
 };
 
 // This block's rows of one GEMV of a step: rows [r0, r1) of w (k wide), tile_rows rows per ring slot.
@@ -152,15 +156,14 @@ struct SegmentMap {
     }
 };
 
-// The weight stream's cursor (warp 0): the next tile to issue, over n_steps steps of segments.
+// A position in a block's tile sequence over n_steps steps of segments.
 template <class M, class G>
-struct WeightStream {
+struct TileCursor {
     static constexpr int SEGMENTS = 4 * M::LAYERS + 1;
-    SegmentMap<M, G> segments;
-    int n_steps;
     int step = 0, seg = 0, tile = 0;
 
-    __device__ bool next(const void*& src, unsigned& bytes) {
+    // The next tile (false past the last step).
+    __device__ bool next(const SegmentMap<M, G>& segments, int n_steps, const void*& src, unsigned& bytes) {
         for (;;) {
             if (step >= n_steps) return false;
             const Segment s = segments(seg);
@@ -174,6 +177,29 @@ struct WeightStream {
             tile = 0;
             if (++seg == SEGMENTS) seg = 0, ++step;
         }
+    }
+};
+
+// The weight stream (warp 0): the tiles to issue into the ring, in order. When it hands out tile t it also asks
+// L2 for tile t + `lookahead` (G::WEIGHT_PREFETCH_TILES, or 0), so DRAM keeps streaming beyond what the ring's
+// slots hold while the blocks are held up by barriers and the recurrence; the ring's copies then hit L2.
+template <class M, class G>
+struct WeightStream {
+    SegmentMap<M, G> segments;
+    int n_steps;
+    int lookahead;
+    TileCursor<M, G> at, ahead;
+    unsigned handed = 0, passed = 0;  // tiles handed out by `at`, tiles `ahead` is past
+
+    __device__ bool next(const void*& src, unsigned& bytes) {
+        if (!at.next(segments, n_steps, src, bytes)) return false;
+        if (G::WEIGHT_PREFETCH_TILES == 0) return true;
+        ++handed;
+        const void* a;
+        unsigned n;
+        for (; passed < handed + lookahead && ahead.next(segments, n_steps, a, n); ++passed)
+            if (passed >= handed) prefetch_l2(a, n);  // tiles already handed out are in the ring
+        return true;
     }
 };
 

@@ -7,7 +7,7 @@
     tok/J        tg128 launches back to back for several seconds, energy from NVML's total-energy counter
     phases       where a token's time goes: tg128 with one phase kind left out (work and weight reads; barriers stay)
                  gives that kind's share; every kind left out gives the barriers alone; prefetch off gives what the
-                 L2 prefetch of state and KV is worth
+                 L2 prefetches (weight tiles beyond the ring; state and KV where prefetch_distance > 0) are worth
     HF           transformers' Qwen3_5ForCausalLM (bf16, eager) decoding greedily in the same run, when torch and
                  transformers import
 

@@ -310,7 +310,8 @@ class Layout:
             tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
                      for k in self.gemv_widths()],
             partial_floats=self.partial_floats, smem_partials=self.smem_partials,
-            threads=self.threads, blocks=self.blocks, prefetch=self.prefetch, slots=self.slots,
+            threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
+            weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
             smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes)
 
