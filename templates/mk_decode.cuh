@@ -80,7 +80,8 @@ struct DecodeParams {
     int* n_done;                    // steps completed
     int phase_limit;                // >= 0: the last step runs only its first phase_limit phases (tests)
     int skip_mask;                  // PhaseKind bits (timing)
-    int prefetch;                   // 0: no L2 prefetch, of weights or of other data (timing)
+    int prefetch;                   // L2 prefetches: 0 none (timing); > 0 on, and the weight tiles asked for beyond
+                                    // the ring where G::WEIGHT_PREFETCH_TILES > 0 (the spec's, or a sweep's)
 };
 
 // This block's rows of one GEMV of a step: rows [r0, r1) of w (k wide), tile_rows rows per ring slot.
@@ -181,7 +182,7 @@ struct TileCursor {
 };
 
 // The weight stream (warp 0): the tiles to issue into the ring, in order. When it hands out tile t it also asks
-// L2 for tile t + `lookahead` (G::WEIGHT_PREFETCH_TILES, or 0), so DRAM keeps streaming beyond what the ring's
+// L2 for tile t + `lookahead` (DecodeParams.prefetch), so DRAM keeps streaming beyond what the ring's
 // slots hold while the blocks are held up by barriers and the recurrence; the ring's copies then hit L2.
 template <class M, class G>
 struct WeightStream {

@@ -31,6 +31,7 @@ from .timing import median_ms
 TG, PP = 128, 520
 ENERGY_SECONDS = 6.0
 HF_TOKENS = 32
+WEIGHT_PREFETCH_SWEEP = (0, 2, 4, 8, 16)  # weight tiles an SM asks L2 for beyond its ring (32 KB each on the H200)
 
 
 def kind_bytes(layout: Layout) -> dict[str, int]:
@@ -158,6 +159,12 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
     rec.record("barrier_us", name, idle / barriers, "us", None, barriers_per_token=barriers, idle_us_per_token=idle)
     no_prefetch = launch_ms(forced, prefetch=False) * 1e3 / TG
     rec.record("prefetch_saves_us", name, no_prefetch - base, "us", None, without_prefetch_us=no_prefetch)
+    if spec.tuning.megakernel.weight_prefetch_tiles:  # compiled in: sweep how far ahead of the ring L2 is asked
+        for tiles in WEIGHT_PREFETCH_SWEEP:
+            us = launch_ms(forced, prefetch=tiles) * 1e3 / TG
+            print(f"  weight tiles prefetched {tiles:>2} beyond the ring: {us:7.1f} us a token")
+            rec.record("weight_prefetch_us_per_token", name, us, "us", None, tiles=tiles,
+                       spec_tiles=spec.tuning.megakernel.weight_prefetch_tiles)
 
     hf = _hf_tok_s(cfg)
     if hf is None:

@@ -393,10 +393,14 @@ class Megakernel:
 
     def launch(self, table, prompt, n_prompt: int, position: int, n_steps: int, tokens, n_done, *, logits=None,
                logits_stride: int = 0, eos: int = -1, phase_limit: int = -1, skip_mask: int = 0,
-               prefetch: bool = True, stream=None) -> None:
+               prefetch: bool | int = True, stream=None) -> None:
         """n_steps decode steps from `position` (asynchronous). Step s reads prompt[s] while s < n_prompt, else the
         previous step's argmax; writes its argmax to tokens[s] and, when `logits` is given, its logits at
-        logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done."""
+        logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done.
+        prefetch: True (the spec's L2 prefetches), False (none), or a number of weight tiles to prefetch beyond the
+        ring (a sweep; where the spec's weight_prefetch_tiles compiled the weight prefetch in)."""
+        if prefetch is True:
+            prefetch = max(1, self.spec.tuning.megakernel.weight_prefetch_tiles)
         out = (logits.ptr if logits is not None else 0, ctypes.c_void_p)
         self.kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt,
                     n_prompt, position, n_steps, eos, tokens, out, logits_stride, n_done, phase_limit, skip_mask,

@@ -363,10 +363,11 @@ def test_prefetch_changes_no_result():
     m = model("small")
     tokens = np.random.default_rng(7).integers(0, m.cfg.vocab_size, 6)
     runs = []
-    for prefetch in (True, False):
+    for prefetch in (True, False, 16):  # the spec's prefetches, none, weight tiles far beyond the ring
         m.load(State())
         runs.append(m.engine.run(tokens, logits="all", prefetch=prefetch).logits)
     np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
 
 
 def test_eos_stops_the_launch():
