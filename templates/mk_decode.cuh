@@ -221,6 +221,9 @@ struct Decoder {
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
     int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
     float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
+    float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
+                      // down-projections add to, kept here so those adds read no global memory; x in global
+                      // memory is their copy for the phases that read the whole vector
 
     __device__ const unsigned char* layer_base(int l) const { return p.weights + M::layer_offset(l); }
     template <class T>
@@ -228,6 +231,14 @@ struct Decoder {
         return reinterpret_cast<const T*>(layer_base(l) + offset);
     }
     __device__ bool skipped(PhaseKind k) const { return stream.segments.skipped(k); }
+
+    // The epilogue of the out- and down-projections: their rows (this block's share of HIDDEN) added to the
+    // residual stream.
+    __device__ auto residual_add() {
+        return [x = p.act + M::ACT_X, mine = own, r0 = block_rows(M::HIDDEN).x](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) x[row + r] = mine[row + r - r0] += acc[r];
+        };
+    }
 
     // Rows of segment `seg` times the staged vector (K wide), epilogue per row group (see ring_gemv).
     template <int K, class Epilogue>
@@ -252,15 +263,17 @@ struct Decoder {
     // ---- phases ------------------------------------------------------------------------------------------------
     __device__ void phase_in(int l, int token) {
         const bool full = M::kind(l);
+        float* x = p.act + M::ACT_X;
+        const bf16* e = reinterpret_cast<const bf16*>(p.weights + M::EMBED) + (size_t)token * M::HIDDEN;
+        if (l == 0) {  // the residual stream starts as the token's embedding row: each block its own rows
+            const int2 r = block_rows(M::HIDDEN);
+            for (int i = r.x + threadIdx.x; i < r.y; i += THREADS) x[i] = own[i - r.x] = __bfloat162float(e[i]);
+        }
         if (skipped(full ? ATT_IN : LIN_IN)) return;
         const float* ln = weight<float>(l, full ? M::FULL_LN1 : M::LIN_LN1);
-        float* x = p.act + M::ACT_X;
         float* y = p.act + M::ACT_MIXED;
-        if (l == 0) {  // the residual stream starts as the token's embedding row
-            const bf16* e = reinterpret_cast<const bf16*>(p.weights + M::EMBED) + (size_t)token * M::HIDDEN;
+        if (l == 0) {
             rmsnorm_1p_stage<M::HIDDEN, THREADS>(e, ln, M::EPS, staged<M::HIDDEN>(), scratch);
-            if (blockIdx.x == 0)
-                for (int i = threadIdx.x; i < M::HIDDEN; i += THREADS) x[i] = __bfloat162float(e[i]);
         } else {
             rmsnorm_1p_stage<M::HIDDEN, THREADS>(x, ln, M::EPS, staged<M::HIDDEN>(), scratch);
         }
@@ -325,10 +338,7 @@ struct Decoder {
     __device__ void phase_out(int l) {
         const bool full = M::kind(l);
         if (skipped(full ? ATT_OUT : LIN_OUT)) return;
-        float* x = p.act + M::ACT_X;
-        auto residual = [&](int row, const float* acc, int n) {
-            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
-        };
+        const auto residual = residual_add();
         if (full) {
             stage<ATT_K>(p.act + M::ACT_MIX_OUT);
             gemv<ATT_K>(4 * l + 1, residual);
@@ -353,10 +363,7 @@ struct Decoder {
     __device__ void phase_down(int l) {
         if (skipped(MLP_DOWN)) return;
         stage<M::INTER>(p.act + M::ACT_MLP);
-        float* x = p.act + M::ACT_X;
-        gemv<M::INTER>(4 * l + 3, [&](int row, const float* acc, int n) {
-            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
-        });
+        gemv<M::INTER>(4 * l + 3, residual_add());
     }
 
     // Final norm, LM head, this block's argmax (into the partials); logits too when asked for.

@@ -138,7 +138,8 @@ class Layout:
     Weights: one arena of packed tensors (each 256-byte aligned): the embeddings, then per layer its tensors in
     the order of linear_tensors / full_tensors, then the final norm and (untied models) the LM head.
     Activations: one fp32 buffer (offsets in floats). Shared memory per block: the weight ring's slots, their
-    mbarriers, a work area (the staged GEMV input or a work item's arrays) and reduction scratch.
+    mbarriers, a work area (the staged GEMV input or a work item's arrays), reduction scratch, K-split partial sums
+    and the block's rows of the residual stream.
     """
 
     def __init__(self, cfg: ModelConfig, spec: ChipSpec):
@@ -202,7 +203,8 @@ class Layout:
         self.work_bytes = _align(4 * max(max(ks), 2 * dk + self.dn_slice + 2, att_floats), 128)
         self.scratch_bytes = _align(8 * self.warps + 16, 128)
         self.partial_bytes = _align(4 * self.partial_floats, 128)
-        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes
+        self.own_bytes = _align(4 * -(-H // self.blocks), 128)  # the block's rows of the residual stream
+        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes + self.own_bytes
         budget = spec.chip.smem_per_block - SHARED_RESERVE - fixed
         self.slots = min(MAX_SLOTS, budget // (self.slot_bytes + 16))
         if self.slots < 2:
@@ -214,7 +216,8 @@ class Layout:
         self.smem_work = _align(self.smem_bars + 16 * self.slots, 128)
         self.smem_scratch = self.smem_work + self.work_bytes
         self.smem_partials = self.smem_scratch + self.scratch_bytes
-        self.smem_bytes = self.smem_partials + self.partial_bytes
+        self.smem_own = self.smem_partials + self.partial_bytes
+        self.smem_bytes = self.smem_own + self.own_bytes
 
     # ---- how the GEMVs are cut ----------------------------------------------------------------------------------
     def gemv_widths(self) -> list[int]:
@@ -309,7 +312,7 @@ class Layout:
             act={n.upper(): o for n, o in self.act.items()},
             tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
                      for k in self.gemv_widths()],
-            partial_floats=self.partial_floats, smem_partials=self.smem_partials,
+            partial_floats=self.partial_floats, smem_partials=self.smem_partials, smem_own=self.smem_own,
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
             weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
