@@ -194,7 +194,7 @@ struct WeightStream {
 
     __device__ bool next(const void*& src, unsigned& bytes) {
         if (!at.next(segments, n_steps, src, bytes)) return false;
-        if (G::WEIGHT_PREFETCH_TILES == 0) return true;
+        if (G::WEIGHT_PREFETCH_TILES == 0 || lookahead == 0) return true;
         ++handed;
         const void* a;
         unsigned n;
