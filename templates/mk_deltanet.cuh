@@ -88,6 +88,12 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
     float* sums = v + SLICE;      // [2]: sum of squares of q and of k
     float* state = L.state + ((size_t)vh * DV + j0) * DK;
 
+    // The head's gates (their loads overlap the state's and the convolution's).
+    const float beta = sigmoid(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + vh));
+    const float g = -__expf(L.a_log[vh]) * softplus(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
+                                                    L.dt_bias[vh]);
+    const float decay = __expf(g);
+
     // This warp's state columns first: their latency overlaps the convolution.
     float S[WARP_COLS][LANE_ROWS];
 #pragma unroll
@@ -121,10 +127,6 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
     __syncthreads();
     const float q_scale = rsqrtf(sums[0] + 1e-6f) * rsqrtf(static_cast<float>(DK));
     const float k_scale = rsqrtf(sums[1] + 1e-6f);
-    const float beta = sigmoid(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + vh));
-    const float g = -__expf(L.a_log[vh]) * softplus(load_coherent(L.mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
-                                                    L.dt_bias[vh]);
-    const float decay = __expf(g);
 
     // Per column j: S = decay S; delta = beta (v_j - S^T k); S += k delta; o_j = S^T q (the updated state).
 #pragma unroll
