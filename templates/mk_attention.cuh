@@ -134,7 +134,7 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     for (int e = threadIdx.x; e < G * HD; e += THREADS) {
         const int h = e / HD, d = e % HD;
         float a = 0.f;
-#pragma unroll 1
+#pragma unroll 8  // the partials' L2 loads in flight together, added in order
         for (int i = 0; i < n_chunks; ++i)
             a += wgt[i * G + h] * __ldcg(L.part_acc + (((size_t)g * max_chunks + i) * G + h) * HD + d);
         const float gate = load_coherent(L.qkv + (size_t)(g * G + h) * 2 * HD + HD + d);
