@@ -77,7 +77,8 @@ class GemvTuning:
 class MegakernelTuning:
     blocks: int
     threads: int
-    prefetch_distance: int = 1  # phases ahead whose weights idle blocks pull into L2
+    prefetch_distance: int = 1  # phases ahead whose state, KV and norm weights idle blocks pull into L2
+    weight_prefetch_tiles: int = 0  # weight tiles beyond the ring's that each block asks L2 for
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     _check_launch(spec, source, "tuning.megakernel", mk.threads, mk.blocks)
     if mk.prefetch_distance < 0:
         _fail(source, "tuning.megakernel.prefetch_distance", "must be >= 0")
+    if mk.weight_prefetch_tiles < 0:
+        _fail(source, "tuning.megakernel.weight_prefetch_tiles", "must be >= 0")
     _check_launch(spec, source, "tuning.norm", t.norm.threads, t.norm.blocks)
     _check_launch(spec, source, "tuning.argmax", t.argmax.threads, t.argmax.blocks)
     _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)

@@ -44,16 +44,18 @@ __device__ __forceinline__ void gemv_bf16_rows(const bf16* __restrict__ W, const
     for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// ROWS rows of K bf16 held in shared memory (row r at chunk r*K/8 of `rows`) times x; rows at or past n contribute
-// nothing. The sums end in every lane. About eight 16-byte weight loads per lane are in flight.
+// ROWS rows of K bf16 held in shared memory (row r at chunk r*K/8 of `rows`) times x, over the 16-byte chunks
+// [c0, c1) of the rows (all of them by default); rows at or past n contribute nothing. The sums end in every lane.
+// About eight 16-byte weight loads per lane are in flight.
 template <int K, int ROWS, typename XS>
-__device__ __forceinline__ void gemv_bf16_smem_rows(const uint4* rows, XS xs, int n, float (&acc)[ROWS]) {
+__device__ __forceinline__ void gemv_bf16_smem_rows(const uint4* rows, XS xs, int n, float (&acc)[ROWS], int c0 = 0,
+                                                    int c1 = K / 8) {
     static_assert(K % 8 == 0, "GEMV rows must be a whole number of 16-byte chunks");
     constexpr int CHUNKS = K / 8, UNROLL = ROWS >= 8 ? 1 : 8 / ROWS;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
 #pragma unroll UNROLL
-    for (int c = threadIdx.x % 32; c < CHUNKS; c += 32) {
+    for (int c = c0 + threadIdx.x % 32; c < c1; c += 32) {
         const auto xv = xs[c];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)

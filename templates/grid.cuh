@@ -5,6 +5,11 @@
 // the counters to zero (grid_leave), so the next launch starts from zero without a memset. Comparisons are
 // wrap-safe, so a launch may pass any number of barriers.
 //
+// Ordering is release/acquire at GPU scope, the pattern of CUTLASS's GenericBarrier: a block's threads meet at
+// __syncthreads, then thread 0 publishes with a release reduction (red.release.gpu: no return value to wait for,
+// no separate fence); a waiting block's thread 0 polls with ld.acquire.gpu, then __syncthreads hands what it
+// acquired to the block's other threads (causality order is transitive through the CTA barrier).
+//
 // Every spin is guarded: a wait that lasts longer than WAIT_LIMIT_NS prints what it waited for and traps, so a
 // broken dependency fails the launch with an error instead of hanging the GPU.
 #pragma once
@@ -45,26 +50,38 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     return v;
 }
 
+// Adds v at gpu scope as a release: this thread's earlier writes, and those it has synchronised with (the block's,
+// after a __syncthreads), are visible to whoever acquires the new value. No return value: nothing to wait for.
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Adds v at gpu scope, acquiring what earlier releasers published and releasing this thread's writes; returns the
+// old value.
+__device__ __forceinline__ unsigned atom_acq_rel(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 // counters: [0] barrier arrivals, [1] blocks that have left. `passed` is this block's count of barriers passed
 // times gridDim.x (the same in every block: all blocks pass the same barriers).
 struct GridBarrier {
     unsigned* counters;
     unsigned passed = 0;
 
-    // Block-wide: the block's global writes are published, then thread 0 announces the arrival.
+    // Block-wide: thread 0 announces the arrival, releasing the block's global writes.
     __device__ __forceinline__ void arrive() {
         __syncthreads();
         passed += gridDim.x;
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(counters, 1u);
-        }
+        if (threadIdx.x == 0) red_release(counters, 1u);
     }
 
     // Has every block arrived? (thread 0 asks; wrap-safe)
     __device__ __forceinline__ bool done() const { return static_cast<int>(load_acquire(counters) - passed) >= 0; }
 
     // Block-wide: wait until every block has arrived, running `idle()` in warp 0 between polls (warp-uniform).
+    // Thread 0's last poll acquires every block's writes; the __syncthreads passes them on.
     template <typename Idle>
     __device__ __forceinline__ void wait(Idle&& idle) {
         if (threadIdx.x < 32) {
@@ -75,17 +92,57 @@ struct GridBarrier {
                 idle();
                 guard("the grid barrier", passed / gridDim.x, 0);
             }
-            if (threadIdx.x == 0) __threadfence();  // other blocks' writes, published before they arrived
         }
         __syncthreads();
     }
 };
 
-// The last block out resets the barrier so the next launch starts at zero. Call once, after the last barrier.
-__device__ __forceinline__ void grid_leave(GridBarrier& bar) {
+// Per-block ready counters, for a vector that blocks write in row shares and that later work reads by row ranges
+// (so it need not wait for every block): block b bumps counters[b] (a release) once it has written its share of
+// the vector; a block about to read rows written by blocks b0..b1 waits until their counters reach the number of
+// vectors published so far in this launch (acquire), which is the same in every block. Like the barrier's, the
+// counters only grow within a launch and grid_leave returns them to zero.
+struct ReadyFlags {
+    unsigned* counters;      // [gridDim.x]
+    unsigned published = 0;  // vectors every block has published (or is publishing) in this launch
+
+    // Block-wide: this block's share of the next vector is written.
+    __device__ __forceinline__ void publish() {
+        __syncthreads();
+        ++published;
+        if (threadIdx.x == 0) red_release(counters + blockIdx.x, 1u);
+    }
+
+    // Block-wide: wait until every block of each range blocks[i] = (first, last) has published the latest vector,
+    // running `idle()` in warp 0 between polls (warp-uniform). Each lane's last poll acquires what its blocks
+    // wrote; the __syncthreads passes it on.
+    template <int N, typename Idle>
+    __device__ __forceinline__ void wait(const int2 (&blocks)[N], Idle&& idle) {
+        if (threadIdx.x < 32) {
+            SpinGuard guard;
+            for (;;) {
+                bool ready = true;
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+                    for (int b = blocks[i].x + static_cast<int>(threadIdx.x); b <= blocks[i].y; b += 32)
+                        ready &= static_cast<int>(load_acquire(counters + b) - published) >= 0;
+                if (__all_sync(0xffffffffu, ready)) break;
+                idle();
+                guard("rows other blocks write", published, blocks[0].x);
+            }
+        }
+        __syncthreads();
+    }
+};
+
+// The last block out resets the barrier and the ready counters so the next launch starts at zero. Call once, after
+// the last barrier.
+__device__ __forceinline__ void grid_leave(GridBarrier& bar, ReadyFlags& ready) {
     __syncthreads();
     if (threadIdx.x == 0 && atomicAdd(bar.counters + 1, 1u) == gridDim.x - 1) {
-        bar.counters[0] = 0;  // every block has passed every barrier: nobody reads it any more
+        // every block has passed every barrier and every wait: nobody reads them any more
+        for (unsigned b = 0; b < gridDim.x; ++b) ready.counters[b] = 0;
+        bar.counters[0] = 0;
         bar.counters[1] = 0;
         __threadfence();
     }
@@ -97,12 +154,8 @@ __device__ __forceinline__ void grid_leave(GridBarrier& bar) {
 __device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned n, int* flag) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        const bool last = atomicAdd(ticket, 1u) == n - 1;
-        if (last) {
-            *ticket = 0;
-            __threadfence();
-        }
+        const bool last = atom_acq_rel(ticket, 1u) == n - 1;
+        if (last) *ticket = 0;  // the next use is after a grid barrier, which publishes this
         *flag = last;
     }
     __syncthreads();

@@ -40,6 +40,15 @@ __device__ __forceinline__ size_t kv_offset(int g, int p) {
     return ((size_t)p * M::ATT_NKV + g) * M::ATT_HD;
 }
 
+// The in-projection rows [x, y) the items of kv head g read: its query heads' [query | gate], its key and value.
+template <class M>
+__device__ __forceinline__ void attention_reads(int g, int2 (&rows)[3]) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, K0 = 2 * M::ATT_NH * HD;
+    rows[0] = make_int2(g * G * 2 * HD, (g + 1) * G * 2 * HD);
+    rows[1] = make_int2(K0 + g * HD, K0 + (g + 1) * HD);
+    rows[2] = make_int2(K0 + (M::ATT_NKV + g) * HD, K0 + (M::ATT_NKV + g + 1) * HD);
+}
+
 // The cached positions of an item's chunk (all kv heads' rows: they are interleaved by position).
 template <class M>
 __device__ __forceinline__ void attention_prefetch(const AttentionLayer& L, int item, int pos) {
@@ -125,7 +134,7 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     for (int e = threadIdx.x; e < G * HD; e += THREADS) {
         const int h = e / HD, d = e % HD;
         float a = 0.f;
-#pragma unroll 1
+#pragma unroll 8  // the partials' L2 loads in flight together, added in order
         for (int i = 0; i < n_chunks; ++i)
             a += wgt[i * G + h] * __ldcg(L.part_acc + (((size_t)g * max_chunks + i) * G + h) * HD + d);
         const float gate = load_coherent(L.qkv + (size_t)(g * G + h) * 2 * HD + HD + d);

@@ -5,8 +5,10 @@
 // Shapes come from M (the model, rendered from its config) and launch parameters from G (rendered from the chip
 // spec); nothing here knows a particular model size. See megakernel.cu.j2 for both.
 //
-// Phases. A step is 5 phases per layer plus the LM head, each ended by a grid barrier: 5L + 1 barriers a token
-// (121 for 24 layers), because each phase reads a whole vector the one before wrote in pieces:
+// Phases. A step is 5 phases per layer plus the LM head. Each is ended by a grid barrier, because it wrote in
+// pieces a whole vector the next one reads, except the in-projection: a recurrence or attention item reads only its
+// head's rows of it, so it waits for the few blocks that write those rows (ReadyFlags in grid.cuh: per-block
+// counters, release/acquire) instead of all of them. 4L + 1 barriers a token (97 for 24 layers):
 //
 //   phase   linear_attention layer                         full_attention layer            split over blocks
 //   0 IN    RMSNorm + [qkv | z | b | a] in-projection       RMSNorm + [q,gate | k | v]      rows
@@ -20,7 +22,7 @@
 //   LM      final RMSNorm + LM head + per-block argmax; after the barrier every block        rows
 //           merges the blocks' argmax (so the next token and EOS are known everywhere)
 //
-// What does not take a barrier: every block recomputes the small things it needs (the residual's RMSNorm, the
+// What does not take a barrier either: every block recomputes the small things it needs (the residual's RMSNorm, the
 // q/k of its DeltaNet head, the RoPE angles, a DeltaNet head's norm in the out-projection) instead of waiting for
 // one block to publish them; the last attention item of a kv head merges the partials (a ticket, not a barrier);
 // the argmax merge rides on the LM head's barrier. Barriers count arrivals on one ever-growing counter (grid.cuh):
@@ -30,13 +32,17 @@
 // through a ring of G::SLOTS shared-memory slots (ring.cuh; bulk copies on sm_90+). Warp 0 produces (it keeps
 // the ring full during GEMVs, barriers and the recurrence / attention phases); warps 1.. consume. So DRAM keeps
 // streaming the next phase's weights while blocks synchronise, as long as a stall is shorter than the ring's
-// lookahead (SLOTS x SLOT_BYTES per SM: 192 KB, ~6 us of an H200 SM's share of DRAM). At the barrier ending
+// lookahead (SLOTS x SLOT_BYTES per SM: 192 KB, ~6 us of an H200 SM's share of DRAM). It is not: at 952 tok/s
+// DRAM was busy a third of a token (1.5 GB at 1.4 of 4.4 TB/s), the ring full the rest of it, waiting for the
+// phases' chain of barriers. So when warp 0 hands tile t to the ring it also asks L2 for tile
+// t + G::WEIGHT_PREFETCH_TILES (WeightStream; the spec's weight_prefetch_tiles): L2 holds that much more of the
+// stream (4 tiles: 128 KB an SM, 17 MB of the H200's 60 MB), and the ring's copies of it hit L2. At the barrier ending
 // phase k, warp 0 also prefetches into L2 the non-weight data of phase k + G::PREFETCH (the spec's
 // prefetch_distance; 1: the next phase): the recurrent state and conv inputs of the block's items, its KV chunk,
 // norm weights, so those phases start on L2 latency.
 //
 // Time per token on the H200 (Qwen3.5-0.8B, 1.506 GB of weights): the weights at the measured 4.39 TB/s take
-// 343 us; the consumers' FMAs from shared memory ~60 us and the 121 barriers ~1 us each run under that stream
+// 343 us; the consumers' FMAs from shared memory ~60 us and the 97 barriers ~1 us each run under that stream
 // as long as the ring does not drain. Expected 360-400 us (2,500-2,800 tok/s); `lucegen bench decode` measures
 // it and attributes it per phase kind (skip_mask) and to the barriers alone.
 //
@@ -61,7 +67,8 @@ struct DecodeParams {
                                     // conv rings [K][conv_dim] and recurrent states [Hv][dv][dk] of the linear
                                     // layers, then keys and values [max_context][n_kv][head_dim] of the full ones
     float* act;                     // activations between phases (offsets M::ACT_*)
-    unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2..] attention tickets; zero at launch
+    unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2, 2 + ATT_NKV) attention tickets,
+                                    // then gridDim.x ready counters; zero at launch, and left at zero
     const int* prompt;              // step s < n_prompt reads prompt[s]; later steps read the previous argmax
     int n_prompt;
     int position;                   // position of step 0
@@ -73,7 +80,8 @@ struct DecodeParams {
     int* n_done;                    // steps completed
     int phase_limit;                // >= 0: the last step runs only its first phase_limit phases (tests)
     int skip_mask;                  // PhaseKind bits (timing)
-    int prefetch;                   // 0: no L2 prefetch (timing)
+    int prefetch;                   // L2 prefetches: 0 none (timing); > 0 on, and the weight tiles asked for beyond
+                                    // the ring where G::WEIGHT_PREFETCH_TILES > 0 (the spec's, or a sweep's)
 };
 
 // This block's rows of one GEMV of a step: rows [r0, r1) of w (k wide), tile_rows rows per ring slot.
@@ -87,6 +95,13 @@ struct Segment {
 __device__ __forceinline__ int2 block_rows(int n) {
     return make_int2(static_cast<int>(unsigned(n) * blockIdx.x / gridDim.x),
                      static_cast<int>(unsigned(n) * (blockIdx.x + 1) / gridDim.x));
+}
+
+// The first and the last block whose shares (block_rows) of n rows hold rows [r.x, r.y), r.x < r.y: row i is
+// block b's for the largest b with n b / gridDim.x <= i, i.e. n b < (i + 1) gridDim.x.
+__device__ __forceinline__ int2 row_blocks(int n, int2 r) {
+    return make_int2(static_cast<int>((unsigned(r.x + 1) * gridDim.x - 1) / unsigned(n)),
+                     static_cast<int>((unsigned(r.y) * gridDim.x - 1) / unsigned(n)));
 }
 
 // This block's weight segments of a step, in consumption order: per layer IN, OUT, GU, DOWN; then the LM head.
@@ -142,15 +157,14 @@ struct SegmentMap {
     }
 };
 
-// The weight stream's cursor (warp 0): the next tile to issue, over n_steps steps of segments.
+// A position in a block's tile sequence over n_steps steps of segments.
 template <class M, class G>
-struct WeightStream {
+struct TileCursor {
     static constexpr int SEGMENTS = 4 * M::LAYERS + 1;
-    SegmentMap<M, G> segments;
-    int n_steps;
     int step = 0, seg = 0, tile = 0;
 
-    __device__ bool next(const void*& src, unsigned& bytes) {
+    // The next tile (false past the last step).
+    __device__ bool next(const SegmentMap<M, G>& segments, int n_steps, const void*& src, unsigned& bytes) {
         for (;;) {
             if (step >= n_steps) return false;
             const Segment s = segments(seg);
@@ -167,6 +181,29 @@ struct WeightStream {
     }
 };
 
+// The weight stream (warp 0): the tiles to issue into the ring, in order. When it hands out tile t it also asks
+// L2 for tile t + `lookahead` (DecodeParams.prefetch), so DRAM keeps streaming beyond what the ring's
+// slots hold while the blocks are held up by barriers and the recurrence; the ring's copies then hit L2.
+template <class M, class G>
+struct WeightStream {
+    SegmentMap<M, G> segments;
+    int n_steps;
+    int lookahead;
+    TileCursor<M, G> at, ahead;
+    unsigned handed = 0, passed = 0;  // tiles handed out by `at`, tiles `ahead` is past
+
+    __device__ bool next(const void*& src, unsigned& bytes) {
+        if (!at.next(segments, n_steps, src, bytes)) return false;
+        if (G::WEIGHT_PREFETCH_TILES == 0 || lookahead == 0) return true;
+        ++handed;
+        const void* a;
+        unsigned n;
+        for (; passed < handed + lookahead && ahead.next(segments, n_steps, a, n); ++passed)
+            if (passed >= handed) prefetch_l2(a, n);  // tiles already handed out are in the ring
+        return true;
+    }
+};
+
 template <class M, class G>
 struct Decoder {
     static constexpr int THREADS = G::THREADS, WARPS = THREADS / 32;
@@ -179,9 +216,14 @@ struct Decoder {
     Ring ring;
     Stream stream;    // stream.segments: this block's weight segments (the consumers read them too)
     GridBarrier bar;
+    ReadyFlags ready; // the in-projection's rows, per block that writes them
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
     int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
+    float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
+    float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
+                      // down-projections add to, kept here so those adds read no global memory; x in global
+                      // memory is their copy for the phases that read the whole vector
 
     __device__ const unsigned char* layer_base(int l) const { return p.weights + M::layer_offset(l); }
     template <class T>
@@ -190,11 +232,20 @@ struct Decoder {
     }
     __device__ bool skipped(PhaseKind k) const { return stream.segments.skipped(k); }
 
+    // The epilogue of the out- and down-projections: their rows (this block's share of HIDDEN) added to the
+    // residual stream.
+    __device__ auto residual_add() {
+        return [x = p.act + M::ACT_X, mine = own, r0 = block_rows(M::HIDDEN).x](int row, const float* acc, int n) {
+            for (int r = 0; r < n; ++r) x[row + r] = mine[row + r - r0] += acc[r];
+        };
+    }
+
     // Rows of segment `seg` times the staged vector (K wide), epilogue per row group (see ring_gemv).
     template <int K, class Epilogue>
     __device__ void gemv(int seg, Epilogue&& epilogue) {
         const Segment s = stream.segments(seg);
-        ring_gemv<K, G::group_rows(K), G::tile_rows(K), WARPS>(ring, stream, staged<K>(), s.r0, s.r1, epilogue);
+        ring_gemv<K, G::group_rows(K), G::tile_rows(K), G::k_split(K), WARPS>(ring, stream, staged<K>(), partials,
+                                                                             s.r0, s.r1, epilogue);
     }
 
     template <int K>
@@ -212,15 +263,17 @@ struct Decoder {
     // ---- phases ------------------------------------------------------------------------------------------------
     __device__ void phase_in(int l, int token) {
         const bool full = M::kind(l);
+        float* x = p.act + M::ACT_X;
+        const bf16* e = reinterpret_cast<const bf16*>(p.weights + M::EMBED) + (size_t)token * M::HIDDEN;
+        if (l == 0) {  // the residual stream starts as the token's embedding row: each block its own rows
+            const int2 r = block_rows(M::HIDDEN);
+            for (int i = r.x + threadIdx.x; i < r.y; i += THREADS) x[i] = own[i - r.x] = __bfloat162float(e[i]);
+        }
         if (skipped(full ? ATT_IN : LIN_IN)) return;
         const float* ln = weight<float>(l, full ? M::FULL_LN1 : M::LIN_LN1);
-        float* x = p.act + M::ACT_X;
         float* y = p.act + M::ACT_MIXED;
-        if (l == 0) {  // the residual stream starts as the token's embedding row
-            const bf16* e = reinterpret_cast<const bf16*>(p.weights + M::EMBED) + (size_t)token * M::HIDDEN;
+        if (l == 0) {
             rmsnorm_1p_stage<M::HIDDEN, THREADS>(e, ln, M::EPS, staged<M::HIDDEN>(), scratch);
-            if (blockIdx.x == 0)
-                for (int i = threadIdx.x; i < M::HIDDEN; i += THREADS) x[i] = __bfloat162float(e[i]);
         } else {
             rmsnorm_1p_stage<M::HIDDEN, THREADS>(x, ln, M::EPS, staged<M::HIDDEN>(), scratch);
         }
@@ -245,12 +298,26 @@ struct Decoder {
 
     static constexpr int REC_ITEMS = M::LIN_HV * (M::LIN_DV / M::LIN_SLICE);
 
+    // Block-wide: wait until the blocks that write in-projection rows `rows` (of n) have written them; warp 0
+    // keeps the ring full meanwhile.
+    template <int N>
+    __device__ void wait_rows(int n, const int2 (&rows)[N]) {
+        int2 blocks[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) blocks[i] = row_blocks(n, rows[i]);
+        ready.wait(blocks, [&] { ring.pump(stream); });
+    }
+
     __device__ void phase_mix(int l, int pos) {
         if (M::kind(l)) {
             if (skipped(ATT_CORE)) return;
             const AttentionLayer L = attention_layer(l);
             const int items = M::ATT_NKV * attention_chunks<M>(pos + 1, gridDim.x).y;
+            const int chunks = items / M::ATT_NKV;
             for (int i = blockIdx.x; i < items; i += gridDim.x) {
+                int2 rows[3];
+                attention_reads<M>(i / chunks, rows);
+                wait_rows(M::ATT_IN_ROWS, rows);
                 attention_item<M, THREADS>(L, i, pos, work, flag);
                 __syncthreads();
             }
@@ -259,6 +326,9 @@ struct Decoder {
             const DeltaNetLayer L = deltanet_layer(l);
             constexpr int SLICES = M::LIN_DV / M::LIN_SLICE;
             for (int i = blockIdx.x; i < REC_ITEMS; i += gridDim.x) {
+                int2 rows[5];
+                deltanet_reads<M>(i / SLICES, i % SLICES, rows);
+                wait_rows(M::LIN_IN_ROWS, rows);
                 deltanet_item<M, THREADS>(L, i / SLICES, i % SLICES, pos, work);
                 __syncthreads();
             }
@@ -268,10 +338,7 @@ struct Decoder {
     __device__ void phase_out(int l) {
         const bool full = M::kind(l);
         if (skipped(full ? ATT_OUT : LIN_OUT)) return;
-        float* x = p.act + M::ACT_X;
-        auto residual = [&](int row, const float* acc, int n) {
-            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
-        };
+        const auto residual = residual_add();
         if (full) {
             stage<ATT_K>(p.act + M::ACT_MIX_OUT);
             gemv<ATT_K>(4 * l + 1, residual);
@@ -296,10 +363,7 @@ struct Decoder {
     __device__ void phase_down(int l) {
         if (skipped(MLP_DOWN)) return;
         stage<M::INTER>(p.act + M::ACT_MLP);
-        float* x = p.act + M::ACT_X;
-        gemv<M::INTER>(4 * l + 3, [&](int row, const float* acc, int n) {
-            for (int r = 0; r < n; ++r) x[row + r] = load_coherent(x + row + r) + acc[r];
-        });
+        gemv<M::INTER>(4 * l + 3, residual_add());
     }
 
     // Final norm, LM head, this block's argmax (into the partials); logits too when asked for.
@@ -355,11 +419,14 @@ struct Decoder {
         }
     }
 
-    // The grid barrier that ends phase k: warp 0 prefetches for a later phase and keeps the ring full meanwhile.
-    __device__ void barrier(int k, int pos) {
-        bar.arrive();
+    // The end of phase k: a grid barrier, during which warp 0 prefetches for a later phase and keeps the ring
+    // full; after an in-projection, only this block's ready counter (the next phase waits for the rows it reads).
+    __device__ void end_phase(int k, int pos) {
+        const bool by_rows = k < PHASES - 1 && k % 5 == 0;
+        if (by_rows) ready.publish();
+        else bar.arrive();
         if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
-        bar.wait([&] { ring.pump(stream); });
+        if (!by_rows) bar.wait([&] { ring.pump(stream); });
     }
 
     __device__ void run() {
@@ -381,11 +448,11 @@ struct Decoder {
                     case 3: phase_gate_up(l); break;
                     default: phase_down(l); break;
                 }
-                barrier(k, pos);
+                end_phase(k, pos);
             }
             if (k < limit) {  // the LM head and the argmax, unless phase_limit stopped the step before it
                 phase_lm_head(s);
-                barrier(k, pos);
+                end_phase(k, pos);
                 const int token = merged_argmax();
                 if (blockIdx.x == 0 && threadIdx.x == 0) {
                     p.tokens[s] = token;
@@ -397,7 +464,7 @@ struct Decoder {
             }
         }
         if (threadIdx.x < 32) ring.drain();
-        grid_leave(bar);
+        grid_leave(bar, ready);
     }
 };
 

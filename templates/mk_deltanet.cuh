@@ -50,6 +50,18 @@ __device__ __forceinline__ bool deltanet_writes_channel(int c, int vh, int slice
     return c >= 2 * M::LIN_DK || (first_of_key_head && c % SLICES == slice);
 }
 
+// The in-projection rows [x, y) item (vh, slice) reads: q and k of its key head, its value channels, b and a.
+template <class M>
+__device__ __forceinline__ void deltanet_reads(int vh, int slice, int2 (&rows)[5]) {
+    constexpr int DK = M::LIN_DK, C = M::LIN_CONV_DIM;
+    const int kh = deltanet_key_head<M>(vh), v0 = 2 * M::LIN_KEY_DIM + vh * M::LIN_DV + slice * M::LIN_SLICE;
+    rows[0] = make_int2(kh * DK, (kh + 1) * DK);
+    rows[1] = make_int2(M::LIN_KEY_DIM + kh * DK, M::LIN_KEY_DIM + (kh + 1) * DK);
+    rows[2] = make_int2(v0, v0 + M::LIN_SLICE);
+    rows[3] = make_int2(C + M::LIN_VALUE_DIM + vh, C + M::LIN_VALUE_DIM + vh + 1);
+    rows[4] = make_int2(C + M::LIN_VALUE_DIM + M::LIN_HV + vh, C + M::LIN_VALUE_DIM + M::LIN_HV + vh + 1);
+}
+
 // The L2 lines item (vh, slice) reads first: its state slice, conv weights and conv-ring inputs, gates' weights.
 template <class M>
 __device__ __forceinline__ void deltanet_prefetch(const DeltaNetLayer& L, int vh, int slice, int pos) {
@@ -220,7 +232,9 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
 }
 
 // The gated RMSNorm of the head outputs (weight w [dv], gate z = silu(z)) into shared memory as the staged input of
-// the out-projection. Warp h normalises heads h, h + WARPS, ...; ends with __syncthreads.
+// the out-projection. Warp h normalises heads h, h + WARPS, ...: one pass over the head's outputs and gates (their
+// loads in flight together) stages w o silu(z) and sums o^2, a second in shared memory scales it by 1 / rms(o).
+// Ends with __syncthreads.
 template <class M, int THREADS, class XS>
 __device__ void deltanet_gated_norm(const float* out, const float* z, const float* w, XS xs) {
     constexpr int DV = M::LIN_DV, WARPS = THREADS / 32;
@@ -228,18 +242,19 @@ __device__ void deltanet_gated_norm(const float* out, const float* z, const floa
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int h = warp; h < M::LIN_HV; h += WARPS) {
         const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
+        const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
         float ss = 0.f;
         for (int q = lane; q < DV / 4; q += 32) {
-            const float4 o = load_coherent(o4 + q);
+            const float4 o = load_coherent(o4 + q), g = load_coherent(g4 + q);
+            const float4 s = reinterpret_cast<const float4*>(w)[q];
             ss += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
+            xs.quad(h * DV / 4 + q) = make_float4(s.x * o.x * silu(g.x), s.y * o.y * silu(g.y),
+                                                  s.z * o.z * silu(g.z), s.w * o.w * silu(g.w));
         }
         const float rstd = rsqrtf(warp_sum(ss) / DV + M::EPS);
         for (int q = lane; q < DV / 4; q += 32) {
-            const float4 o = load_coherent(o4 + q);
-            const float4 g = load_coherent(reinterpret_cast<const float4*>(z + h * DV) + q);
-            const float4 s = reinterpret_cast<const float4*>(w)[q];
-            xs.quad(h * DV / 4 + q) = make_float4(s.x * (o.x * rstd) * silu(g.x), s.y * (o.y * rstd) * silu(g.y),
-                                                  s.z * (o.z * rstd) * silu(g.z), s.w * (o.w * rstd) * silu(g.w));
+            float4& v = xs.quad(h * DV / 4 + q);
+            v = make_float4(v.x * rstd, v.y * rstd, v.z * rstd, v.w * rstd);
         }
     }
     __syncthreads();

@@ -44,29 +44,29 @@ __device__ __forceinline__ float4 load_quad(const bf16* x, int q) {
 
 // The same zero-centred RMSNorm of one H-wide row (fp32 or bf16) with an fp32 weight, kept in fp32 and written
 // through out.quad(q) (StagedF32: shared memory as a staged GEMV input; GlobalQuads: an fp32 row in global memory).
-// One block; ends with __syncthreads. `scratch` holds THREADS/32 floats.
+// One block; ends with __syncthreads. `scratch` holds THREADS/32 floats. The weight is loaded with the row (one
+// memory round trip, not one before the reduction and one after).
 template <int H, int THREADS, typename T, class XS>
 __device__ void rmsnorm_1p_stage(const T* __restrict__ x, const float* __restrict__ w, float eps, XS out,
                                  float* scratch) {
     static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
     constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;
-    float4 v[PER_THREAD];
+    float4 v[PER_THREAD], g[PER_THREAD];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int q = threadIdx.x + i * THREADS;
         v[i] = q < QUADS ? load_quad(x, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        g[i] = q < QUADS ? __ldg(reinterpret_cast<const float4*>(w) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
         ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
     }
     const float rstd = rsqrtf(block_sum<THREADS>(ss, scratch) / H + eps);
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int q = threadIdx.x + i * THREADS;
-        if (q < QUADS) {
-            const float4 g = __ldg(reinterpret_cast<const float4*>(w) + q);
-            out.quad(q) = make_float4(v[i].x * rstd * (1.f + g.x), v[i].y * rstd * (1.f + g.y),
-                                      v[i].z * rstd * (1.f + g.z), v[i].w * rstd * (1.f + g.w));
-        }
+        if (q < QUADS)
+            out.quad(q) = make_float4(v[i].x * rstd * (1.f + g[i].x), v[i].y * rstd * (1.f + g[i].y),
+                                      v[i].z * rstd * (1.f + g[i].z), v[i].w * rstd * (1.f + g[i].w));
     }
     __syncthreads();
 }

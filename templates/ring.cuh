@@ -112,32 +112,59 @@ struct TileRing {
 };
 
 // Rows [r0, r1) of a K-wide bf16 matrix, streamed through the ring as tiles of TILE_ROWS rows, times x (staged in
-// shared memory). Warp 0 issues the tiles; the consumer warps take groups of ROWS rows in turn across the whole
-// range (group g goes to consumer g % (WARPS - 1)), so every consumer works although a tile may hold fewer groups
-// than there are warps. epilogue(row, acc, n) runs in lane 0 of a consumer with the sums of rows row .. row+n-1
+// shared memory). Warp 0 issues the tiles; the consumer warps take units of work in turn across the whole range
+// (unit u goes to consumer u % (WARPS - 1)), so every consumer works although a tile may hold fewer units than
+// there are warps. A unit is a group of ROWS rows, or with SPLIT > 1 one of SPLIT slices of a group's K (for a
+// block with few rows, such as a down-projection's 8 rows of 3584: 2 groups would keep 2 warps busy, 14 units
+// keep 14): unit u is slice u % SPLIT of group u / SPLIT; its partial sums go to `partials` (SPLIT x ROWS floats
+// per group, shared memory), and once every tile is consumed the consumers add each group's slices in a fixed
+// order (deterministic). epilogue(row, acc, n) runs in lane 0 of a consumer with the sums of rows row .. row+n-1
 // (n <= ROWS; n < ROWS only at the end of the range).
-template <int K, int ROWS, int TILE_ROWS, int WARPS, class Ring, class Source, class XS, class Epilogue>
-__device__ __forceinline__ void ring_gemv(Ring& ring, Source& source, XS xs, int r0, int r1, Epilogue&& epilogue) {
+template <int K, int ROWS, int TILE_ROWS, int SPLIT, int WARPS, class Ring, class Source, class XS, class Epilogue>
+__device__ __forceinline__ void ring_gemv(Ring& ring, Source& source, XS xs, float* partials, int r0, int r1,
+                                          Epilogue&& epilogue) {
     static_assert(TILE_ROWS % ROWS == 0, "a row group never straddles two tiles");
-    constexpr int CHUNKS = K / 8, GROUPS_PER_TILE = TILE_ROWS / ROWS, CONSUMERS = WARPS - 1;
+    static_assert(SPLIT >= 1 && SPLIT <= K / 8, "K slices of at least one 16-byte chunk");
+    constexpr int CHUNKS = K / 8, UNITS_PER_TILE = TILE_ROWS / ROWS * SPLIT, CONSUMERS = WARPS - 1;
     const int rows = r1 - r0, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int warp = threadIdx.x / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 0) {
         ring.produce(source, ring.taken + tiles);
         ring.taken += tiles;
         return;
     }
-    int g = warp - 1;  // this warp's next row group
+    int u = warp - 1;  // this warp's next unit
     for (int j = 0; j < tiles; ++j) {
         const uint4* tile = ring.take();
         const int first = j * TILE_ROWS, in_tile = min(TILE_ROWS, rows - first);
-        for (; g < (j + 1) * GROUPS_PER_TILE && g * ROWS < rows; g += CONSUMERS) {
+        for (; u < (j + 1) * UNITS_PER_TILE && u / SPLIT * ROWS < rows; u += CONSUMERS) {
+            const int g = u / SPLIT, s = u % SPLIT;
             const int local = g * ROWS - first, n = min(ROWS, in_tile - local);
             float acc[ROWS];
-            gemv_bf16_smem_rows<K, ROWS>(tile + local * CHUNKS, xs, n, acc);
-            if (threadIdx.x % 32 == 0) epilogue(r0 + g * ROWS, acc, n);
+            gemv_bf16_smem_rows<K, ROWS>(tile + local * CHUNKS, xs, n, acc, s * CHUNKS / SPLIT,
+                                         (s + 1) * CHUNKS / SPLIT);
+            if (lane != 0) continue;
+            if (SPLIT == 1) {
+                epilogue(r0 + g * ROWS, acc, n);
+            } else {
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) partials[u * ROWS + r] = acc[r];
+            }
         }
         ring.release();
+    }
+    if (SPLIT == 1) return;
+    // every consumer's partials are written (warp 0 is not in this barrier: it has returned)
+    asm volatile("bar.sync 1, %0;" ::"r"(CONSUMERS * 32) : "memory");
+    if (lane != 0) return;
+    for (int g = warp - 1; g * ROWS < rows; g += CONSUMERS) {
+        float acc[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = partials[g * SPLIT * ROWS + r];
+            for (int s = 1; s < SPLIT; ++s) acc[r] += partials[(g * SPLIT + s) * ROWS + r];
+        }
+        epilogue(r0 + g * ROWS, acc, min(ROWS, rows - g * ROWS));
     }
 }
 

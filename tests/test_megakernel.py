@@ -25,9 +25,9 @@ CONFIGS = {"tiny": tiny_config(), "ratio3": tiny_config(**RATIO3)}
 
 
 @pytest.mark.parametrize("spec_name", list_specs())
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config", [*sorted(CONFIGS), "qwen3.5-0.8b"])  # 0.8B: its narrow GEMVs split K over warps
 def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, config):
-    spec, cfg = load_spec(spec_name), CONFIGS[config]
+    spec, cfg = load_spec(spec_name), CONFIGS.get(config) or load_config(config)
     (unit,) = megakernel.units(spec, cfg)
     (k,) = build(spec, cfg, [unit], root=tmp_path).kernels
     assert k.name == megakernel.KERNEL and k.cooperative
@@ -189,3 +189,24 @@ def test_rendered_rope_frequencies_give_the_reference_angles(config):
     angles = positions.astype(np.float32)[:, None] * inv_freq  # the kernel's fp32 product
     np.testing.assert_array_equal(np.cos(angles), cos[:, :cfg.rotary_dim // 2])
     np.testing.assert_array_equal(np.sin(angles), sin[:, :cfg.rotary_dim // 2])
+
+
+@pytest.mark.parametrize("spec_name", list_specs())
+@pytest.mark.parametrize("model_name", ["qwen3.5-0.8b", "qwen3.5-27b", *CONFIGS])
+def test_k_split_keeps_the_consumers_busy_and_fits_its_partials(spec_name, model_name):
+    """ring_gemv cuts the K of a narrow GEMV's row groups into k_split(k) slices: every slice has a chunk per lane,
+    a split never makes more units than the block's consumer warps for the matrix it was chosen for, and the
+    partial sums of every matrix of that width fit the shared area (unit u writes floats u*rows .. u*rows+rows-1)."""
+    spec = load_spec(spec_name)
+    cfg = CONFIGS.get(model_name) or load_config(model_name)
+    if not megakernel.units(spec, cfg):
+        pytest.skip(f"no megakernel for {model_name} on {spec_name}")
+    lay = Layout(cfg, spec)
+    for k, counts in lay.block_row_counts().items():
+        split, rows = lay.k_split(k), lay.tiling(k)[0]
+        assert split >= 1 and (split == 1 or k // 8 // split >= 32)
+        if split > 1:
+            assert -(-min(counts) // rows) * split <= lay.warps - 1
+            assert all(-(-n // rows) * split * rows <= lay.partial_floats for n in counts)
+    if model_name == "qwen3.5-0.8b" and spec_name == "h200":  # 8 rows of the out- and down-projections a block
+        assert lay.k_split(cfg.intermediate_size) == 7 and lay.k_split(cfg.value_dim) == 7

@@ -59,6 +59,7 @@ def _delete(path: str):
     (_set("tuning.megakernel.blocks", "many"), "tuning.megakernel.blocks", "expected an integer"),
     (_set("tuning.megakernel.blocks", 10_000), "tuning.megakernel.blocks", "cannot all be co-resident"),
     (_set("tuning.megakernel.threads", 100), "tuning.megakernel.threads", "multiple of 32"),
+    (_set("tuning.megakernel.weight_prefetch_tiles", -1), "tuning.megakernel.weight_prefetch_tiles", ">= 0"),
     (_set("chip.arch", "sm_42"), "chip.arch", "not supported by the installed NVRTC"),
     (_set("chip.arch", "ampere"), "chip.arch", "expected an arch"),
     (_set("tuning.kv_format", "int2"), "tuning.kv_format", "is not one of"),

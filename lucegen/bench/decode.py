@@ -6,7 +6,7 @@
     pp520        520 prompt tokens through the decode path in one launch (there is no prefill kernel in this path)
     phases       where a token's time goes: tg128 with one phase kind left out (work and weight reads; barriers stay)
                  gives that kind's share; every kind left out gives the barriers alone; prefetch off gives what the
-                 L2 prefetch of state and KV is worth
+                 L2 prefetches (weight tiles beyond the ring; state and KV where prefetch_distance > 0) are worth
     HF           transformers' Qwen3_5ForCausalLM (bf16, eager) decoding greedily in the same run, when torch and
                  transformers import
 
@@ -32,6 +32,7 @@ from .timing import median_ms
 
 TG, PP = 128, 520
 HF_TOKENS = 32
+WEIGHT_PREFETCH_SWEEP = (0, 2, 4, 8, 16)  # weight tiles an SM asks L2 for beyond its ring (32 KB each on the H200)
 
 
 def kind_bytes(layout: Layout) -> dict[str, int]:
@@ -166,12 +167,18 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
         phase_gbs = moved[kind] / (us * 1e3) if us > 0 else 0.0
         print(f"  {kind:<14} {us:9.1f} {us / base:7.1%} {phase_gbs:7.0f}")
         rec.record(f"phase_us_{kind}", name, us, "us", None, bytes_per_token=moved[kind], gbs=round(phase_gbs, 1))
-    barriers = 5 * cfg.num_hidden_layers + 1
+    barriers = lay.barriers_per_token()
     idle = launch_ms(forced, skip_mask=(1 << len(PHASE_KINDS)) - 1) * 1e3 / TG
     print(f"  {'barriers only':<14} {idle:9.1f} {idle / base:7.1%}   ({barriers} a token: {idle / barriers:.2f} us each)")
     rec.record("barrier_us", name, idle / barriers, "us", None, barriers_per_token=barriers, idle_us_per_token=idle)
     no_prefetch = launch_ms(forced, prefetch=False) * 1e3 / TG
     rec.record("prefetch_saves_us", name, no_prefetch - base, "us", None, without_prefetch_us=no_prefetch)
+    if spec.tuning.megakernel.weight_prefetch_tiles:  # compiled in: sweep how far ahead of the ring L2 is asked
+        for tiles in WEIGHT_PREFETCH_SWEEP:
+            us = launch_ms(forced, prefetch=tiles) * 1e3 / TG
+            print(f"  weight tiles prefetched {tiles:>2} beyond the ring: {us:7.1f} us a token")
+            rec.record("weight_prefetch_us_per_token", name, us, "us", None, tiles=tiles,
+                       spec_tiles=spec.tuning.megakernel.weight_prefetch_tiles)
 
     hf = HFDecoder.open(cfg)
     if hf is None:

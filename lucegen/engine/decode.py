@@ -70,7 +70,7 @@ class DecodeEngine:
         return [int(t) for t in out.tokens[len(prompt) - 1:]]
 
     def run(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
-            phase_limit: int = -1, skip_mask: int = 0, prefetch: bool = True) -> Steps:
+            phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True) -> Steps:
         """len(tokens) + n_new steps in one launch: the tokens, then n_new steps that read the previous argmax
         (stopping after an argmax equal to eos). logits: None, "last" (the last step's) or "all"."""
         self.enqueue(tokens, n_new, eos, logits, phase_limit, skip_mask, prefetch)
@@ -86,7 +86,8 @@ class DecodeEngine:
         return Steps(toks, self._buffers["logits"].view((rows, self.config.vocab_size), np.float32).numpy())
 
     def enqueue(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
-                phase_limit: int = -1, skip_mask: int = 0, prefetch: bool = True, stream: Stream | None = None):
+                phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True,
+                stream: Stream | None = None):
         """The launch of run() without waiting for it or advancing the state (benchmarks time this)."""
         if not len(tokens):
             raise ValueError("no tokens to run")

@@ -138,7 +138,8 @@ class Layout:
     Weights: one arena of packed tensors (each 256-byte aligned): the embeddings, then per layer its tensors in
     the order of linear_tensors / full_tensors, then the final norm and (untied models) the LM head.
     Activations: one fp32 buffer (offsets in floats). Shared memory per block: the weight ring's slots, their
-    mbarriers, a work area (the staged GEMV input or a work item's arrays) and reduction scratch.
+    mbarriers, a work area (the staged GEMV input or a work item's arrays), reduction scratch, K-split partial sums
+    and the block's rows of the residual stream.
     """
 
     def __init__(self, cfg: ModelConfig, spec: ChipSpec):
@@ -194,11 +195,16 @@ class Layout:
         # shared memory: ring slots hold whole rows (a gate/up pair at least, and the longest row)
         ks = (H, cfg.value_dim, nh * hd, I)
         self.slot_bytes = _align(max(spec.tuning.gemv.tile_bytes, 2 * 2 * H, 2 * max(ks)), 128)
+        self.partial_floats = max([-(-most // self.tiling(k)[0]) * self.tiling(k)[0] * self.k_split(k)
+                                   for k, counts in self.block_row_counts().items() for most in counts
+                                   if self.k_split(k) > 1], default=0)
         att_floats = (self.group * hd + 2 * hd + cfg.rotary_dim + 2 * self.warps + self.warps * hd
                       + self.max_chunks * self.group + self.group)
         self.work_bytes = _align(4 * max(max(ks), 2 * dk + self.dn_slice + 2, att_floats), 128)
         self.scratch_bytes = _align(8 * self.warps + 16, 128)
-        fixed = self.work_bytes + self.scratch_bytes
+        self.partial_bytes = _align(4 * self.partial_floats, 128)
+        self.own_bytes = _align(4 * -(-H // self.blocks), 128)  # the block's rows of the residual stream
+        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes + self.own_bytes
         budget = spec.chip.smem_per_block - SHARED_RESERVE - fixed
         self.slots = min(MAX_SLOTS, budget // (self.slot_bytes + 16))
         if self.slots < 2:
@@ -209,7 +215,9 @@ class Layout:
         self.smem_bars = self.slots * self.slot_bytes
         self.smem_work = _align(self.smem_bars + 16 * self.slots, 128)
         self.smem_scratch = self.smem_work + self.work_bytes
-        self.smem_bytes = self.smem_scratch + self.scratch_bytes
+        self.smem_partials = self.smem_scratch + self.scratch_bytes
+        self.smem_own = self.smem_partials + self.partial_bytes
+        self.smem_bytes = self.smem_own + self.own_bytes
 
     # ---- how the GEMVs are cut ----------------------------------------------------------------------------------
     def gemv_widths(self) -> list[int]:
@@ -225,9 +233,39 @@ class Layout:
         rows = 4 if fit >= 4 else 2 if fit >= 2 else 1
         return rows, fit // rows * rows
 
+    def block_row_counts(self) -> dict[int, list[int]]:
+        """Per row width k of the streamed matrices: the most rows a block takes of each width-k matrix."""
+        c, most = self.cfg, lambda n: -(-n // self.blocks)
+        H = c.hidden_size
+        out = {k: [] for k in self.gemv_widths()}
+        out[H] += [most(c.vocab_size), 2 * most(c.intermediate_size)]  # LM head; gate/up in (gate, up) pairs
+        out[c.intermediate_size].append(most(H))
+        if c.linear_layers:
+            out[H].append(most(lin_in_rows(c)))
+            out[c.value_dim].append(most(H))
+        if c.full_layers:
+            out[H].append(most(att_in_rows(c)))
+            out[c.num_attention_heads * c.head_dim].append(most(H))
+        return out
+
+    def k_split(self, k: int) -> int:
+        """K slices per row group of the width-k GEMVs (mk_decode.cuh: ring_gemv): where a block's rows make fewer
+        groups than there are consumer warps (a down-projection's 8 rows: 2 groups for 15 warps), each group's K
+        is cut so that about every warp has a unit, each slice at least 32 chunks of 16 bytes (one per lane)."""
+        counts = self.block_row_counts()[k]
+        if not counts:
+            return 1
+        groups = -(-min(counts) // self.tiling(k)[0])
+        return max(1, min((self.warps - 1) // groups, k // 8 // 32))
+
     def block_rows(self, n: int, block: int) -> tuple[int, int]:
         """Block `block`'s rows [r0, r1) of an n-row GEMV (mk_decode.cuh: block_rows)."""
         return n * block // self.blocks, n * (block + 1) // self.blocks
+
+    def barriers_per_token(self) -> int:
+        """Grid barriers a decode step passes: 4 a layer (after the mixer, the out-projection, gate/up and down;
+        the in-projection's rows are waited for by the blocks that read them) and the LM head's."""
+        return 4 * self.cfg.num_hidden_layers + 1
 
     # ---- what the kernel reads per token ------------------------------------------------------------------------
     def weight_bytes_per_token(self) -> int:
@@ -272,8 +310,11 @@ class Layout:
             full={n.upper(): t.offset for n, t in self.full.items()},
             embed=self.embed.offset, final_norm=self.final_norm.offset, lm_head=self.lm_head.offset,
             act={n.upper(): o for n, o in self.act.items()},
-            tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1]) for k in self.gemv_widths()],
-            threads=self.threads, blocks=self.blocks, prefetch=self.prefetch, slots=self.slots,
+            tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
+                     for k in self.gemv_widths()],
+            partial_floats=self.partial_floats, smem_partials=self.smem_partials, smem_own=self.smem_own,
+            threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
+            weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
             smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes)
 
@@ -320,7 +361,9 @@ class Megakernel:
             for t, a in lay.packed(weights):
                 self.weights.view(a.shape, a.dtype, t.offset).copy_from(np.ascontiguousarray(a))
         self.act = DeviceArray.zeros(lay.act_floats, F32)
-        self.sync = DeviceArray.zeros(2 + cfg.num_key_value_heads, np.uint32)  # left at zero by every launch
+        # barrier, blocks left, attention tickets, ready counters (mk_decode.cuh: DecodeParams.sync); every launch
+        # leaves them at zero
+        self.sync = DeviceArray.zeros(2 + cfg.num_key_value_heads + lay.blocks, np.uint32)
 
     def _fill_random(self, build_root: Path, seed: int) -> None:
         """Uniform pseudo-random weights with the variances reference.random_weights gives (activations stay O(1)):
@@ -353,10 +396,14 @@ class Megakernel:
 
     def launch(self, table, prompt, n_prompt: int, position: int, n_steps: int, tokens, n_done, *, logits=None,
                logits_stride: int = 0, eos: int = -1, phase_limit: int = -1, skip_mask: int = 0,
-               prefetch: bool = True, stream=None) -> None:
+               prefetch: bool | int = True, stream=None) -> None:
         """n_steps decode steps from `position` (asynchronous). Step s reads prompt[s] while s < n_prompt, else the
         previous step's argmax; writes its argmax to tokens[s] and, when `logits` is given, its logits at
-        logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done."""
+        logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done.
+        prefetch: True (the spec's L2 prefetches), False (none), or a number of weight tiles to prefetch beyond the
+        ring (a sweep; where the spec's weight_prefetch_tiles compiled the weight prefetch in)."""
+        if prefetch is True:
+            prefetch = max(1, self.spec.tuning.megakernel.weight_prefetch_tiles)
         out = (logits.ptr if logits is not None else 0, ctypes.c_void_p)
         self.kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt,
                     n_prompt, position, n_steps, eos, tokens, out, logits_stride, n_done, phase_limit, skip_mask,

@@ -363,10 +363,30 @@ def test_prefetch_changes_no_result():
     m = model("small")
     tokens = np.random.default_rng(7).integers(0, m.cfg.vocab_size, 6)
     runs = []
-    for prefetch in (True, False):
+    for prefetch in (True, False, 16):  # the spec's prefetches, none, weight tiles far beyond the ring
         m.load(State())
         runs.append(m.engine.run(tokens, logits="all", prefetch=prefetch).logits)
     np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+def test_every_launch_leaves_its_sync_counters_at_zero():
+    """The barrier, attention-ticket and per-block ready counters are back at zero after a launch however it ends
+    (every step; EOS; phase_limit right after an in-projection, whose end only bumps ready counters, or later):
+    the next launch starts from them without a memset."""
+    m = model("small")
+    sync = m.engine.kernel.sync
+    m.load(State())
+    free = m.engine.run([1, 2, 3], n_new=8).tokens
+    assert not sync.numpy().any()
+    m.load(State())
+    m.engine.run([1, 2, 3], n_new=8, eos=int(free[4]))
+    assert not sync.numpy().any()
+    attention = 5 * m.cfg.full_layers[0]
+    for phases in (1, 2, 3, attention + 1, attention + 2, 5 * m.cfg.num_hidden_layers):
+        m.load(State())
+        m.engine.run([5], phase_limit=phases)
+        assert not sync.numpy().any(), f"phase_limit {phases}: {sync.numpy()}"
 
 
 def test_eos_stops_the_launch():
