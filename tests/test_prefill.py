@@ -16,7 +16,7 @@ from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import random_weights
 from lucegen.reference.deltanet import causal_conv1d
 from lucegen.reference.ops import silu
-from lucegen.spec import all_specs, list_specs, load_spec
+from lucegen.spec import all_specs, gemm_methods, list_specs, load_spec
 
 TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
                    linear_key_head_dim=64, linear_value_head_dim=64)  # tests/gpu/test_prefill_gpu.py's model
@@ -35,10 +35,26 @@ def test_prefill_kernels_compile_for_the_test_model(tmp_path, spec_name):
         assert k.static_smem + k.dynamic_smem <= spec.chip.smem_per_block
 
 
-@pytest.mark.parametrize("spec", all_specs(), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)
+                                  if m != s.tuning.prefill.gemm], ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
+def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
+    """The GEMM methods a spec does not select (wgmma on the Hopper specs while they run mma) compile spill-free, for
+    the arch-specific target, with every tile and epilogue; test_prefill_kernels_compile_for_the_test_model covers
+    the selected one."""
+    result = build(spec, TINY, gemm.units(spec), root=tmp_path)
+    names = {k.name for k in result.kernels}
+    assert names == {gemm.kernel_name(c, e) for c in gemm.tile_configs(spec) for e in gemm.EPILOGUES}
+    for k in result.kernels:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec.name}"
+        assert k.coresident_blocks >= (spec.chip.sm_count if k.threads > 256 else 2 * spec.chip.sm_count), k.name
+
+
+@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)],
+                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
 def test_launch_configurations_fit_every_chip(spec):
     for c in gemm.tile_configs(spec):
         assert c.smem <= spec.chip.smem_per_block and c.stages >= 2 and c.threads <= 1024
+        assert c.method == spec.tuning.prefill.gemm
     for cfg in REAL + [TINY]:
         bv, stages = gdn.scan_config(spec, cfg)
         assert cfg.linear_value_head_dim % bv == 0 and gdn.scan_smem(cfg, bv, stages) <= spec.chip.smem_per_block
@@ -46,8 +62,9 @@ def test_launch_configurations_fit_every_chip(spec):
         assert shape_problem(spec, cfg) is None
 
 
-def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short():
-    h200 = load_spec("h200")
+@pytest.mark.parametrize("method", ["mma", "wgmma"])
+def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method):
+    h200 = load_spec("h200").with_prefill_gemm(method)
     large, small = gemm.tile_configs(h200)
     assert gemm.choose(h200, 8192, 17408) == large
     assert gemm.choose(h200, 64, 1024) == small

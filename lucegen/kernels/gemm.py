@@ -6,13 +6,17 @@ Epilogues: `bf16` and `f32` store Y; `add` adds Y into an fp32 [M, N] array (the
 silu(gate) * up [M, N/2] bf16 from a W whose rows pair gate_proj and up_proj (row 2i = gate row i, row 2i + 1 = up
 row i: the packing of kernels.megakernel, whose weight arena the prefill reads).
 
-Two tile shapes are compiled per chip: a large one (the most throughput per block) and a small one (more blocks for
-short prompts and narrow outputs); the launcher picks, per call, the one with the shorter estimated time.
+Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with cp.async stages, gemm.cuh) and `wgmma`
+(Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
+the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
+most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
+per call, the one with the shorter estimated time.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -36,43 +40,54 @@ EPILOGUES = {
 class TileConfig:
     bm: int
     bn: int
-    wm: int          # warps along M
-    wn: int          # warps along N
+    wm: int          # mma: warps along M; wgmma: consumer warpgroups (64 rows each)
+    wn: int          # mma: warps along N; wgmma: 1 (a warpgroup takes all BN columns, 128 per wgmma)
     stages: int
     min_blocks: int  # __launch_bounds__ blocks per SM the register allocation must allow
     efficiency: float  # relative throughput of a block's tile, for choosing between configs
+    method: str = "mma"
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32
+        return (self.wm + 1) * 128 if self.method == "wgmma" else self.wm * self.wn * 32
 
     @property
     def smem(self) -> int:
-        return self.stages * (self.bm + self.bn) * BK * 2
+        tiles = self.stages * (self.bm + self.bn) * BK * 2
+        # wgmma: 1024 bytes to align the swizzled tiles, a full and an empty mbarrier per stage
+        return 1024 + tiles + self.stages * 16 if self.method == "wgmma" else tiles
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}"
+        return f"{'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}"
 
     def tiles(self, m: int, n: int) -> int:
         return math.ceil(m / self.bm) * math.ceil(n / self.bn)
 
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
-             min_stages: int = 2, max_stages: int = 4) -> TileConfig | None:
+             min_stages: int = 2, max_stages: int = 4, method: str = "mma") -> TileConfig | None:
     """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block, or None."""
     for stages in range(max_stages, min_stages - 1, -1):
-        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff)
+        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method)
         if cfg.smem <= spec.chip.smem_per_block:
             return cfg
     return None
 
 
 def tile_configs(spec: ChipSpec) -> tuple[TileConfig, TileConfig]:
-    """(large, small) tile shapes for the chip: 128x256 with 8 warps where three stages fit (A100, H100, H200),
-    else 128x128 with 4 warps; the small shape is 64x128 with 4 warps. Each takes as many stages (<= 4) as fit."""
-    large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
-    small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
+    """(large, small) tile shapes for the chip and its GEMM method.
+
+    mma: 128x256 with 8 warps where three stages fit (A100, H100, H200), else 128x128 with 4 warps; the small shape
+    is 64x128 with 4 warps. Each takes as many stages (<= 4) as fit.
+    wgmma: 128x256 with two consumer warpgroups (two m64n128 wgmma per 16 columns of K each) with as many stages
+    (<= 6) as fit, and 64x128 with one consumer warpgroup and 4 stages (two blocks share an SM's shared memory)."""
+    if spec.tuning.prefill.gemm == "wgmma":
+        large = _deepest(spec, 128, 256, 2, 1, 1, 1.0, min_stages=3, max_stages=6, method="wgmma")
+        small = _deepest(spec, 64, 128, 1, 1, 2, 0.8, method="wgmma")
+    else:
+        large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
+        small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
     if large is None or small is None:
         raise ValueError(f"{spec.name}: {spec.chip.smem_per_block} bytes of shared memory per block hold no GEMM tile")
     return large, small
@@ -102,13 +117,34 @@ def kernel_name(config: TileConfig, epilogue: str) -> str:
 def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     """One unit per chip (the model's shapes are launch arguments)."""
     configs = tile_configs(spec)
+    method = spec.tuning.prefill.gemm
     params = {
+        "method": method,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
                          min_blocks=c.min_blocks) for c in configs],
         "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in EPILOGUES.items()],
     }
     sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs for e in EPILOGUES)
-    return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs)]
+    return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
+
+
+@lru_cache(maxsize=4096)
+def tensor_map(ptr: int, rows: int, cols: int, box_rows: int):
+    """The 2-D tensor map of a row-major bf16 [rows, cols] matrix at device address `ptr`, read in boxes of BK
+    columns x box_rows rows with the 128-byte swizzle (gemm_wgmma.cuh's tiles); rows past the end read as zeros.
+    A cuda-python CUtensorMap, which a launch passes by value (the kernel's `const __grid_constant__ TensorMap`).
+    Cached: a map depends only on these arguments, and the prefill reuses its buffers and weights."""
+    from cuda.bindings import driver as drv
+    from ..runtime.driver import call
+    if ptr % 16:
+        raise ValueError(f"GEMM operand at {ptr:#x} [{rows}, {cols}]: TMA needs a 16-byte aligned address")
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    return call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr,
+                [u64(cols), u64(rows)], [u64(cols * 2)], [u32(BK), u32(box_rows)], [u32(1), u32(1)],
+                drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
 
 class Gemm:
@@ -130,4 +166,6 @@ class Gemm:
         if k % BK or n % 2:
             raise ValueError(f"GEMM {m}x{n}x{k} ({epilogue}): K must be a multiple of {BK} and N even")
         c = config or choose(self.spec, m, n)
+        if c.method == "wgmma":
+            x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
         self.kernels[c.name, epilogue](c.tiles(m, n), c.threads, x, w, y, m, n, k, smem=c.smem, stream=stream)

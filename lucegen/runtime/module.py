@@ -30,6 +30,8 @@ def _params(args: Sequence[Any]):
             values.append(int(a)); types.append(ctypes.c_int)
         elif isinstance(a, (float, np.floating)):
             values.append(float(a)); types.append(ctypes.c_float)
+        elif callable(getattr(a, "getPtr", None)):
+            values.append(a); types.append(None)      # a cuda-python struct by value, e.g. a CUtensorMap
         elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], type):
             values.append(a[0]); types.append(a[1])   # explicit (value, ctypes type), e.g. (n, c_int64)
         else:

@@ -40,7 +40,7 @@ from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
 from lucegen.runtime import DeviceArray, synchronize
-from lucegen.spec import spec_for_current_device
+from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
 from host_kernels import on_host
 
 pytestmark = pytest.mark.gpu
@@ -107,12 +107,27 @@ def kernels(spec, tmp_path_factory):
 GEMM_KS = [64, 128, 1024, 3584, 5120]
 
 
+@pytest.fixture(scope="module")
+def gemms(spec, tmp_path_factory):
+    """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once."""
+    root = tmp_path_factory.mktemp("gemm")
+
+    @cache
+    def get(method: str):
+        if method not in gemm_methods(spec):
+            pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
+        s = spec.with_prefill_gemm(method)
+        return gemm.Gemm(build(s, TINY, gemm.units(s), root=root).module("prefill_gemm"), s), s
+    return get
+
+
 @pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
 @pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("method", GEMM_METHODS)
 @SETTINGS
 @given(m=LENGTHS, n16=st.integers(1, 80), k=st.sampled_from(GEMM_KS), seed=st.integers(0, 2**32 - 1))
-def test_gemm_matches_numpy(kernels, spec, epilogue, tile, m, n16, k, seed):
-    op = kernels("tiny").gemm
+def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
+    op, spec = gemms(method)
     config = gemm.tile_configs(spec)[tile == "small"]
     n = 16 * n16 - 2 * (seed % 8)  # every even N mod 16: partial last column tiles
     rng = np.random.default_rng(seed)
