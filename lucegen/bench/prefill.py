@@ -4,10 +4,10 @@ Qwen3.5-0.8B and 27B in bf16, with random weights of the real shapes filled on t
 Each prefill is captured once in a CUDA graph (no host launch overhead) and replayed. FLOPs counted: 2 x the
 layers' matrix parameters x T, the LM head of the last token, and causal attention (QK^T and PV over T(T+1)/2
 query-key pairs per head); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
-compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the 27B prefill's
-GEMM shapes are timed alone against torch.matmul on the same shapes, with every GEMM method the chip allows
-(tuning.prefill.gemm: mma, and wgmma on Hopper). HF transformers' pp520 (eager attention, bf16) is measured beside
-ours when torch and transformers import.
+compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
+the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
+every GEMM method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper). HF transformers' pp520 (eager
+attention, bf16) is measured beside ours when torch and transformers import.
 
 Where the time goes: at pp520 and pp4096, for every GEMM method the chip allows, the prefill's graph is timed and one
 more pass is launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
@@ -37,7 +37,7 @@ from .timing import median_ms
 
 MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
 LENGTHS = (520, 4096, 32768)
-GEMM_MODEL, GEMM_TOKENS = "qwen3.5-27b", 4096  # whose GEMM shapes are timed alone, at how many tokens
+GEMM_TOKENS = {"qwen3.5-27b": 4096, "qwen3.5-0.8b": 520}  # models whose GEMM shapes are timed alone, at how many tokens
 MATMUL_N = 8192
 BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind
 QUEUED_MS = 200.0                # graph replays queued ahead of the timed eager pass
@@ -252,8 +252,8 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
             ids.free()
         for p in others:
             p.free()
-        if peak and name == GEMM_MODEL:
-            bench_gemms(rec, spec, cfg, GEMM_TOKENS, stream)
+        if peak and name in GEMM_TOKENS:
+            bench_gemms(rec, spec, cfg, GEMM_TOKENS[name], stream)
         state.free()
         prefill.free()
         weights.free()
