@@ -5,7 +5,7 @@
 // through STAGES shared-memory stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each
 // stage completing on its `full` mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and
 // all BN columns, and hands the stage back on its `empty` mbarrier once the wgmma reading it has completed (one
-// k tile later: the wgmma of two k tiles overlap). Blocks are numbered in gemm_block_tile's grouped order.
+// k tile later: the wgmma of two k tiles overlap). Blocks take their tile and slice of K from gemm_block_work.
 #pragma once
 #include "gemm.cuh"
 #include "wgmma.cuh"
@@ -27,17 +27,16 @@ struct WgmmaShape {
 };
 
 // One block's BM x BN tile of Y = X W^T; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with
-// boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with ceil(M/BM) * ceil(N/BN) blocks of S::THREADS
-// threads and S::SMEM bytes of dynamic shared memory.
+// boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with splits * ceil(M/BM) * ceil(N/BN) blocks of
+// S::THREADS threads and S::SMEM bytes of dynamic shared memory.
 template <class S, class Epilogue>
 __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int M, int N, int K,
                               const Epilogue& epilogue, unsigned char* smem_raw) {
     unsigned char* smem = smem_raw + ((1024 - shared_addr(smem_raw) % 1024) % 1024);
     auto* full = reinterpret_cast<unsigned long long*>(smem + S::STAGES * S::STAGE);
     auto* empty = full + S::STAGES;
-    int tm, tn;
-    gemm_block_tile<S>((M + S::BM - 1) / S::BM, (N + S::BN - 1) / S::BN, tm, tn);
-    const int m0 = tm * S::BM, n0 = tn * S::BN, k_tiles = K / S::BK, warpgroup = threadIdx.x / 128;
+    const GemmWork work = gemm_block_work<S>(M, N, K);
+    const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles, warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S::STAGES; ++s) {
             mbar_init(&full[s], 1);
@@ -55,8 +54,8 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
                 if (kt >= S::STAGES) mbar_wait(&empty[s], (kt / S::STAGES - 1) & 1);  // k tile kt - STAGES is done
                 unsigned char* stage = smem + s * S::STAGE;
                 mbar_expect_tx(&full[s], S::STAGE);
-                tma_load_2d(stage, xmap, kt * S::BK, m0, &full[s]);
-                tma_load_2d(stage + S::A_BYTES, wmap, kt * S::BK, n0, &full[s]);
+                tma_load_2d(stage, xmap, (work.kt0 + kt) * S::BK, m0, &full[s]);
+                tma_load_2d(stage + S::A_BYTES, wmap, (work.kt0 + kt) * S::BK, n0, &full[s]);
             }
         }
         return;

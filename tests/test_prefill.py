@@ -4,6 +4,8 @@ configurations fit each chip, and the host-side layouts (fused weights, conv rin
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -43,7 +45,7 @@ def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
     the selected one."""
     result = build(spec, TINY, gemm.units(spec), root=tmp_path)
     names = {k.name for k in result.kernels}
-    assert names == {gemm.kernel_name(c, e) for c in gemm.tile_configs(spec) for e in gemm.EPILOGUES}
+    assert names == {gemm.kernel_name(c, e) for c in gemm.tile_configs(spec) for e in gemm.KERNEL_EPILOGUES}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec.name}"
         assert k.coresident_blocks >= (spec.chip.sm_count if k.threads > 256 else 2 * spec.chip.sm_count), k.name
@@ -68,6 +70,32 @@ def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method
     large, small = gemm.tile_configs(h200)
     assert gemm.choose(h200, 8192, 17408) == large
     assert gemm.choose(h200, 64, 1024) == small
+
+
+@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)],
+                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
+@given(m=st.integers(1, 8192), n2=st.integers(1, 9000), kt=st.integers(1, 300),
+       epilogue=st.sampled_from(list(gemm.EPILOGUES)))
+@settings(max_examples=50, deadline=None)
+def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilogue):
+    n, k = 2 * n2, kt * gemm.BK
+    c = gemm.choose(spec, m, n, k, epilogue)
+    s = gemm.splits(spec, c, m, n, k, epilogue)
+    assert 1 <= s <= gemm.MAX_SPLITS
+    if s > 1:
+        assert epilogue == "add" and c.tiles(m, n) < spec.chip.sm_count and kt // s >= gemm.MIN_SLICE
+        # a split pays for its atomics only by unloading the busiest SM
+        assert math.ceil(c.tiles(m, n) * s / spec.chip.sm_count) / s < 1
+
+
+def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_not():
+    h200 = load_spec("h200")
+    for k in (2048, 3584):  # DeltaNet out_proj (value_dim) and MLP down (intermediate) of the 0.8B, N = 1024
+        c = gemm.choose(h200, 520, 1024, k, "add")
+        assert gemm.splits(h200, c, 520, 1024, k, "add") > 1
+        assert gemm.splits(h200, c, 520, 1024, k, "bf16") == 1
+    big = gemm.choose(h200, 4096, 5120, 17408, "add")
+    assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
 
 
 def test_shapes_the_tiles_cannot_take_are_refused_with_a_reason():

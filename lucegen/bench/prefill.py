@@ -146,8 +146,9 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
         for s, op in zip(specs, ops):
             ms = median_ms(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream, warmup_s=0.2, repeat=20)
             tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
-            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer,
-                       config=gemm.choose(s, m, n).name, gemm=s.tuning.prefill.gemm, epilogue=epilogue,
+            c = gemm.choose(s, m, n, k, epilogue)
+            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer, config=c.name,
+                       splits=gemm.splits(s, c, m, n, k, epilogue), gemm=s.tuning.prefill.gemm, epilogue=epilogue,
                        **({"cublas_tflops": round(peer, 1)} if peer else {}))
         for a in (x, w, y):
             a.free()

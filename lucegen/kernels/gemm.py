@@ -10,7 +10,9 @@ Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with c
 (Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
 the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
 most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
-per call, the one with the shorter estimated time.
+per call, the one with the shorter estimated time. An `add` whose tiles are fewer than the SMs (the 0.8B's
+N = 1024 projections at a short prompt) is split along K into slices that add into Y atomically (`splits`): the
+busiest SM does less, and the fp32 sum's last bits may differ from run to run.
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ from ..spec import ChipSpec
 
 BK = 64          # K columns per pipeline stage
 
+MAX_SPLITS = 4   # split-K: at most this many slices of K ...
+MIN_SLICE = 4    # ... of at least this many k tiles each
+
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
     "bf16": ("StoreBf16", "bf16", "bf16 out"),
@@ -34,6 +39,10 @@ EPILOGUES = {
     "add": ("AddF32", "float", "added into an fp32 residual"),
     "silu": ("SiluMulBf16", "bf16", "silu(gate) * up from paired gate/up rows, bf16 out"),
 }
+# the `add` kernel the launcher runs when it splits K: slices of one tile add into Y atomically
+SPLIT_ADD = "add_split"
+KERNEL_EPILOGUES = {**EPILOGUES, SPLIT_ADD: ("AddF32Atomic", "float", "added atomically into an fp32 residual "
+                                             "(split-K slices)")}
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,26 @@ def tile_configs(spec: ChipSpec) -> tuple[TileConfig, TileConfig]:
     return large, small
 
 
-def choose(spec: ChipSpec, m: int, n: int) -> TileConfig:
-    """The config with the shorter estimated time: the busiest SM's tiles times the time of one tile (blocks that
-    share an SM share its tensor cores, so resident blocks do not shorten it)."""
-    return min(tile_configs(spec), key=lambda c: math.ceil(c.tiles(m, n) / spec.chip.sm_count) * c.bm * c.bn
-               / c.efficiency)
+def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
+    """The busiest SM's work in whole tiles: its blocks (blocks that share an SM share its tensor cores, so resident
+    blocks do not shorten it), each 1/splits of a tile."""
+    return math.ceil(c.tiles(m, n) * splits / spec.chip.sm_count) / splits
+
+
+def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str) -> int:
+    """Slices of K for config c: 1, but for an `add` with fewer tiles than SMs (a narrow output at a short prompt)
+    the count (<= MAX_SPLITS, >= MIN_SLICE k tiles each) that least loads the busiest SM, the fewest on a tie."""
+    if epilogue != "add" or c.tiles(m, n) >= spec.chip.sm_count:
+        return 1
+    return min(range(1, max(1, min(MAX_SPLITS, k // BK // MIN_SLICE)) + 1),
+               key=lambda s: (_waves(spec, c, m, n, s), s))
+
+
+def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
+    """The config with the shorter estimated time: the busiest SM's work (with the config's split of K) times the
+    time of one tile."""
+    return min(tile_configs(spec), key=lambda c: _waves(spec, c, m, n, splits(spec, c, m, n, k, epilogue))
+               * c.bm * c.bn / c.efficiency)
 
 
 def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None) -> np.ndarray:
@@ -122,9 +146,10 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
         "method": method,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
                          min_blocks=c.min_blocks) for c in configs],
-        "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in EPILOGUES.items()],
+        "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in KERNEL_EPILOGUES.items()],
     }
-    sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs for e in EPILOGUES)
+    sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
+                 for e in KERNEL_EPILOGUES)
     return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
 
 
@@ -154,7 +179,7 @@ class Gemm:
         self.spec = spec
         self.kernels = {}
         for c in tile_configs(spec):
-            for e in EPILOGUES:
+            for e in KERNEL_EPILOGUES:
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)
@@ -162,10 +187,12 @@ class Gemm:
 
     def __call__(self, x, w, y, m: int, n: int, k: int, epilogue: str, stream=None,
                  config: TileConfig | None = None) -> None:
-        """Launch with `config`, or with the one `choose` picks for the shape."""
+        """Launch with `config`, or with the one `choose` picks for the shape; `add` splits K where `splits` says."""
         if k % BK or n % 2:
             raise ValueError(f"GEMM {m}x{n}x{k} ({epilogue}): K must be a multiple of {BK} and N even")
-        c = config or choose(self.spec, m, n)
+        c = config or choose(self.spec, m, n, k, epilogue)
+        s = splits(self.spec, c, m, n, k, epilogue)
         if c.method == "wgmma":
             x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
-        self.kernels[c.name, epilogue](c.tiles(m, n), c.threads, x, w, y, m, n, k, smem=c.smem, stream=stream)
+        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](s * c.tiles(m, n), c.threads, x, w, y, m, n, k,
+                                                                smem=c.smem, stream=stream)
