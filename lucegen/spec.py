@@ -94,6 +94,8 @@ GEMM_METHODS = ("mma", "wgmma")
 class PrefillTuning:
     chunk_tokens: int = 8192  # prompt tokens per pass through the layers (their activations must fit memory)
     gemm: str = "mma"         # mma: mma.sync + cp.async (sm_80+); wgmma: TMA + warpgroup MMA (sm_90a, Hopper only)
+    split_k: int = 1          # most slices of K for a residual-add GEMM with fewer tiles than SMs, added atomically;
+                              # 1: none, and every sum of the prefill is the same however the prompt is chunked
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,11 @@ class ChipSpec:
         check_arch(arch, source, "arch override")
         return validate(dataclasses.replace(self, chip=dataclasses.replace(self.chip, arch=arch)), source)
 
-    def with_prefill_gemm(self, method: str) -> "ChipSpec":
-        """The same spec with another prefill GEMM method (tuning.prefill.gemm), validated."""
-        prefill = dataclasses.replace(self.tuning.prefill, gemm=method)
+    def with_prefill(self, **changes: Any) -> "ChipSpec":
+        """The same spec with other prefill tuning (gemm="wgmma", split_k=4, ...), validated."""
+        prefill = dataclasses.replace(self.tuning.prefill, **changes)
         return validate(dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, prefill=prefill)),
-                        f"{self.path or self.name} with prefill GEMM {method}")
+                        f"{self.path or self.name} with prefill {changes}")
 
     def max_coresident_blocks(self, threads: int, regs_per_thread: int = 0, smem: int = 0) -> int:
         """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs)."""
@@ -294,6 +296,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.prefill.gemm", f"{t.prefill.gemm!r} is not one of {', '.join(GEMM_METHODS)}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
+    if not 1 <= t.prefill.split_k <= 8:
+        _fail(source, "tuning.prefill.split_k", f"{t.prefill.split_k} must be between 1 (no split) and 8")
     return spec
 
 

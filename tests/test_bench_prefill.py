@@ -15,7 +15,7 @@ from lucegen.spec import all_specs, gemm_methods
 @pytest.mark.parametrize("model", ["qwen3.5-0.8b", "qwen3.5-27b"])
 def test_kernel_kinds_drop_the_shape_and_keep_the_gemm_epilogue(model):  # gemm_add_split: split-K adds
     cfg = load_config(model)
-    for spec in (s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)):
+    for spec in (s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)):
         kinds = {kernel_kind(k.name) for u in units(spec, cfg) for k in u.kernels}
         assert kinds == {f"gemm_{e}" for e in gemm.KERNEL_EPILOGUES} | {
             "embed", "rmsnorm_f32", "gemv_bf16", "conv1d_gates", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm",

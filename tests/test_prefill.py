@@ -37,7 +37,7 @@ def test_prefill_kernels_compile_for_the_test_model(tmp_path, spec_name):
         assert k.static_smem + k.dynamic_smem <= spec.chip.smem_per_block
 
 
-@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)
                                   if m != s.tuning.prefill.gemm], ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
 def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
     """The GEMM methods a spec does not select (wgmma on the Hopper specs while they run mma) compile spill-free, for
@@ -51,7 +51,7 @@ def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
         assert k.coresident_blocks >= (spec.chip.sm_count if k.threads > 256 else 2 * spec.chip.sm_count), k.name
 
 
-@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)],
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)],
                          ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
 def test_launch_configurations_fit_every_chip(spec):
     for c in gemm.tile_configs(spec):
@@ -66,14 +66,15 @@ def test_launch_configurations_fit_every_chip(spec):
 
 @pytest.mark.parametrize("method", ["mma", "wgmma"])
 def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method):
-    h200 = load_spec("h200").with_prefill_gemm(method)
+    h200 = load_spec("h200").with_prefill(gemm=method)
     large, small = gemm.tile_configs(h200)
     assert gemm.choose(h200, 8192, 17408) == large
     assert gemm.choose(h200, 64, 1024) == small
 
 
-@pytest.mark.parametrize("spec", [s.with_prefill_gemm(m) for s in all_specs() for m in gemm_methods(s)],
-                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
+                                  for sk in (1, 4)],
+                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}-split{s.tuning.prefill.split_k}")
 @given(m=st.integers(1, 8192), n2=st.integers(1, 9000), kt=st.integers(1, 300),
        epilogue=st.sampled_from(list(gemm.EPILOGUES)))
 @settings(max_examples=50, deadline=None)
@@ -81,7 +82,7 @@ def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilog
     n, k = 2 * n2, kt * gemm.BK
     c = gemm.choose(spec, m, n, k, epilogue)
     s = gemm.splits(spec, c, m, n, k, epilogue)
-    assert 1 <= s <= gemm.MAX_SPLITS
+    assert 1 <= s <= spec.tuning.prefill.split_k
     if s > 1:
         assert epilogue == "add" and c.tiles(m, n) < spec.chip.sm_count and kt // s >= gemm.MIN_SLICE
         # a split pays for its atomics only by unloading the busiest SM
@@ -89,11 +90,12 @@ def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilog
 
 
 def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_not():
-    h200 = load_spec("h200")
+    h200 = load_spec("h200").with_prefill(split_k=4)
     for k in (2048, 3584):  # DeltaNet out_proj (value_dim) and MLP down (intermediate) of the 0.8B, N = 1024
         c = gemm.choose(h200, 520, 1024, k, "add")
         assert gemm.splits(h200, c, 520, 1024, k, "add") > 1
         assert gemm.splits(h200, c, 520, 1024, k, "bf16") == 1
+        assert gemm.splits(load_spec("h200"), c, 520, 1024, k, "add") == 1  # the spec's default: no split
     big = gemm.choose(h200, 4096, 5120, 17408, "add")
     assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
 

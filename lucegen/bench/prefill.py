@@ -6,11 +6,12 @@ layers' matrix parameters x T, the LM head of the last token, and causal attenti
 query-key pairs per head); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
 compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
 the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
-every GEMM method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper). HF transformers' pp520 (eager
-attention, bf16) is measured beside ours when torch and transformers import.
+every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
+split-K for the residual adds (tuning.prefill.split_k 1 and 4). HF transformers' pp520 (eager attention, bf16) is
+measured beside ours when torch and transformers import.
 
-Where the time goes: at pp520 and pp4096, for every GEMM method the chip allows, the prefill's graph is timed and one
-more pass is launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
+Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
+launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
 (prefill_kernel_us_<kind>: gemm_<epilogue>, rmsnorm_f32, conv1d_gates, gdn_chunk_scan, attention_prefill_causal, ...)
 with its launches, its share of the kernels' sum and, for GEMMs, TFLOP/s. The pass runs behind >= 200 ms of graph
 replays, so the host's launches stay ahead of the GPU and the events time kernels rather than launch gaps.
@@ -39,7 +40,8 @@ MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
 LENGTHS = (520, 4096, 32768)
 GEMM_TOKENS = {"qwen3.5-27b": 4096, "qwen3.5-0.8b": 520}  # models whose GEMM shapes are timed alone, at how many tokens
 MATMUL_N = 8192
-BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind
+BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind, for every GEMM variant
+SPLIT_K = 4                      # the split-K variants' tuning.prefill.split_k
 QUEUED_MS = 200.0                # graph replays queued ahead of the timed eager pass
 _SHAPE_PART = re.compile(r"(wg)?\d+x\d+|[hk]\d+")  # the parts of a kernel name that name a shape
 
@@ -132,10 +134,25 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
             "out_proj": (H, cfg.value_dim, "add"), "gate_up": (2 * I, H, "silu"), "down": (H, I, "add")}
 
 
+def variants(spec: ChipSpec) -> list[ChipSpec]:
+    """The spec, then the other GEMM variants of its prefill: each method the chip allows, without and with split-K."""
+    out = [spec]
+    for method in gemm_methods(spec):
+        for split_k in (1, SPLIT_K):
+            v = spec.with_prefill(gemm=method, split_k=split_k)
+            if v.tuning.prefill != spec.tuning.prefill:
+                out.append(v)
+    return out
+
+
+def gemm_variant(spec: ChipSpec) -> dict:
+    return {"gemm": spec.tuning.prefill.gemm, "split_k": spec.tuning.prefill.split_k}
+
+
 def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream: Stream) -> None:
-    """Each GEMM shape of the model alone, at m tokens, with each GEMM method the chip allows: our TFLOP/s against
-    torch.matmul's on the same shape."""
-    specs = [spec.with_prefill_gemm(method) for method in gemm_methods(spec)]
+    """Each GEMM shape of the model alone, at m tokens, with each GEMM variant: our TFLOP/s against torch.matmul's on
+    the same shape."""
+    specs = variants(spec)
     ops = [gemm.Gemm(build(s, tiny_config(), gemm.units(s)).module("prefill_gemm"), s) for s in specs]
     rng = np.random.default_rng(0)
     for name, (n, k, epilogue) in gemm_shapes(cfg).items():
@@ -148,7 +165,7 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
             tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
             c = gemm.choose(s, m, n, k, epilogue)
             rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer, config=c.name,
-                       splits=gemm.splits(s, c, m, n, k, epilogue), gemm=s.tuning.prefill.gemm, epilogue=epilogue,
+                       splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s), epilogue=epilogue,
                        **({"cublas_tflops": round(peer, 1)} if peer else {}))
         for a in (x, w, y):
             a.free()
@@ -197,15 +214,15 @@ def kernel_times(prefill: Prefill, weights: DeviceWeights, state: DeviceState, i
     return kinds
 
 
-def record_breakdown(rec: Recorder, cfg: ModelConfig, T: int, method: str, kinds: dict[str, list],
+def record_breakdown(rec: Recorder, cfg: ModelConfig, T: int, spec: ChipSpec, kinds: dict[str, list],
                      ms: float) -> None:
     """Each kernel kind's time (prefill_kernel_us_<kind>), longest first."""
     total = sum(us for us, _, _ in kinds.values())
-    print(f"{cfg.name} pp{T}, {method} GEMM: the kernels take {total:.0f} us timed one by one, the graph "
-          f"{ms * 1e3:.0f} us")
+    print(f"{cfg.name} pp{T}, GEMM {gemm_variant(spec)}: the kernels take {total:.0f} us timed one by one, the "
+          f"graph {ms * 1e3:.0f} us")
     for kind, (us, n, flops) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         rec.record(f"prefill_kernel_us_{kind}", f"{cfg.name} pp{T}", us, "us", launches=n, share=round(us / total, 3),
-                   gemm=method, **({"tflops": round(flops / (us * 1e-6) / 1e12, 1)} if flops else {}))
+                   **gemm_variant(spec), **({"tflops": round(flops / (us * 1e-6) / 1e12, 1)} if flops else {}))
 
 
 def fits(cfg: ModelConfig, T: int) -> bool:
@@ -234,8 +251,7 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
         weights = DeviceWeights.random(cfg, spec, filler)
         prefill = Prefill(spec, cfg)
         state = DeviceState(cfg, max(runnable))
-        # the GEMM methods the spec does not select, timed at the breakdown's lengths
-        others = [Prefill(spec.with_prefill_gemm(m), cfg) for m in gemm_methods(spec) if m != spec.tuning.prefill.gemm]
+        others = [Prefill(v, cfg) for v in variants(spec)[1:]]  # timed at the breakdown's lengths
         for T in runnable:
             ids = DeviceArray.from_numpy(rng.integers(0, cfg.vocab_size, T).astype(np.int32))
             for p in [prefill, *others] if T in BREAKDOWN_LENGTHS else [prefill]:
@@ -243,12 +259,11 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
                 flops = prefill_flops(cfg, T)
                 tflops = flops / (ms * 1e-3) / 1e12
                 limit = T * peak * 1e12 / flops if peak else None
-                method = p.spec.tuning.prefill.gemm
                 rec.record(f"pp{T}_tok_s", cfg.name, T / (ms * 1e-3), "tok/s", limit, ms=round(ms, 3),
-                           achieved_tflops=round(tflops, 1), chunk_tokens=p.chunk, gemm=method,
+                           achieved_tflops=round(tflops, 1), chunk_tokens=p.chunk, **gemm_variant(p.spec),
                            **({"matmul_tflops": round(peak, 1), "of_matmul": round(tflops / peak, 3)} if peak else {}))
                 if T in BREAKDOWN_LENGTHS:
-                    record_breakdown(rec, cfg, T, method, kernel_times(p, weights, state, ids, graph, ms, stream), ms)
+                    record_breakdown(rec, cfg, T, p.spec, kernel_times(p, weights, state, ids, graph, ms, stream), ms)
                 graph.destroy()
             ids.free()
         for p in others:

@@ -10,9 +10,10 @@ Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with c
 (Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
 the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
 most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
-per call, the one with the shorter estimated time. An `add` whose tiles are fewer than the SMs (the 0.8B's
-N = 1024 projections at a short prompt) is split along K into slices that add into Y atomically (`splits`): the
-busiest SM does less, and the fp32 sum's last bits may differ from run to run.
+per call, the one with the shorter estimated time. With tuning.prefill.split_k > 1, an `add` whose tiles are fewer
+than the SMs (the 0.8B's N = 1024 projections at a short prompt) is split along K into slices that add into Y
+atomically (`splits`): the busiest SM does less, but the fp32 sums' order then depends on the prompt's length and
+on timing.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ from ..spec import ChipSpec
 
 BK = 64          # K columns per pipeline stage
 
-MAX_SPLITS = 4   # split-K: at most this many slices of K ...
-MIN_SLICE = 4    # ... of at least this many k tiles each
+MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
 
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
@@ -110,10 +110,11 @@ def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
 
 def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str) -> int:
     """Slices of K for config c: 1, but for an `add` with fewer tiles than SMs (a narrow output at a short prompt)
-    the count (<= MAX_SPLITS, >= MIN_SLICE k tiles each) that least loads the busiest SM, the fewest on a tie."""
+    the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each) that least loads the busiest SM, the fewest on
+    a tie."""
     if epilogue != "add" or c.tiles(m, n) >= spec.chip.sm_count:
         return 1
-    return min(range(1, max(1, min(MAX_SPLITS, k // BK // MIN_SLICE)) + 1),
+    return min(range(1, max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE)) + 1),
                key=lambda s: (_waves(spec, c, m, n, s), s))
 
 

@@ -109,14 +109,15 @@ GEMM_KS = [64, 128, 1024, 3584, 5120]
 
 @pytest.fixture(scope="module")
 def gemms(spec, tmp_path_factory):
-    """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once."""
+    """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once; with
+    split-K allowed, so an `add` with fewer tiles than SMs runs the atomic split kernel."""
     root = tmp_path_factory.mktemp("gemm")
 
     @cache
     def get(method: str):
         if method not in gemm_methods(spec):
             pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
-        s = spec.with_prefill_gemm(method)
+        s = spec.with_prefill(gemm=method, split_k=4)
         return gemm.Gemm(build(s, TINY, gemm.units(s), root=root).module("prefill_gemm"), s), s
     return get
 
