@@ -211,6 +211,7 @@ def kernel_times(prefill: Prefill, weights: DeviceWeights, state: DeviceState, i
         k[1] += 1
         if name.startswith("gemm_"):  # args: X, W, Y, M, N, K
             k[2] += 2.0 * args[3] * args[4] * args[5]
+        start.destroy(), end.destroy()
     return kinds
 
 
