@@ -88,9 +88,15 @@ class DDTreeTuning:
     block_size: int = 16
 
 
+GEMM_METHODS = ("mma", "wgmma")
+
+
 @dataclass(frozen=True)
 class PrefillTuning:
     chunk_tokens: int = 8192  # prompt tokens per pass through the layers (their activations must fit memory)
+    gemm: str = "mma"         # mma: mma.sync + cp.async (sm_80+); wgmma: TMA + warpgroup MMA (sm_90a, Hopper only)
+    split_k: int = 1          # most slices of K for a residual-add GEMM with fewer tiles than SMs, added atomically;
+                              # 1: none, and every sum of the prefill is the same however the prompt is chunked
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,12 @@ class ChipSpec:
         source = f"{self.path or self.name} emulated at {arch}"
         check_arch(arch, source, "arch override")
         return validate(dataclasses.replace(self, chip=dataclasses.replace(self.chip, arch=arch)), source)
+
+    def with_prefill(self, **changes: Any) -> "ChipSpec":
+        """The same spec with other prefill tuning (gemm="wgmma", split_k=4, ...), validated."""
+        prefill = dataclasses.replace(self.tuning.prefill, **changes)
+        return validate(dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, prefill=prefill)),
+                        f"{self.path or self.name} with prefill {changes}")
 
     def max_coresident_blocks(self, threads: int, regs_per_thread: int = 0, smem: int = 0) -> int:
         """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs)."""
@@ -226,6 +238,12 @@ def _check_launch(spec: ChipSpec, source: str, key: str, threads: int, blocks: i
               f"(at most {limit})")
 
 
+def gemm_methods(spec: ChipSpec) -> tuple[str, ...]:
+    """The prefill GEMM methods the chip runs: wgmma is Hopper's alone (sm_90a; Blackwell's tensor cores take
+    tcgen05 instead)."""
+    return GEMM_METHODS if spec.chip.cc == 90 else ("mma",)
+
+
 def validate(spec: ChipSpec, source: str) -> ChipSpec:
     c, t = spec.chip, spec.tuning
     check_arch(c.arch, source, "chip.arch")
@@ -277,6 +295,12 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if t.prefill.chunk_tokens % 64 or not 64 <= t.prefill.chunk_tokens <= t.max_context:
         _fail(source, "tuning.prefill.chunk_tokens", f"{t.prefill.chunk_tokens} must be a multiple of 64 (the "
               f"DeltaNet chunk) between 64 and max_context {t.max_context}")
+    if t.prefill.gemm not in GEMM_METHODS:
+        _fail(source, "tuning.prefill.gemm", f"{t.prefill.gemm!r} is not one of {', '.join(GEMM_METHODS)}")
+    if t.prefill.gemm not in gemm_methods(spec):
+        _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
+    if not 1 <= t.prefill.split_k <= 8:
+        _fail(source, "tuning.prefill.split_k", f"{t.prefill.split_k} must be between 1 (no split) and 8")
     return spec
 
 

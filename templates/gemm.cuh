@@ -4,7 +4,9 @@
 // accumulation, K a multiple of 64. A block computes a BM x BN tile of Y with WM x WN warps (mma.sync m16n8k16);
 // the K loop streams BK = 64 columns of X and W per step through STAGES cp.async stages in swizzled shared memory.
 // Blocks are numbered in groups of GROUP_M row tiles that walk all column tiles together, so the blocks resident at
-// once read the same few W tiles from L2 instead of each streaming W from DRAM.
+// once read the same few W tiles from L2 instead of each streaming W from DRAM. Where too few tiles would leave SMs
+// idle (a narrow output at a short prompt), the launcher may split K into slices whose blocks add into Y atomically
+// (the `add` epilogue only: Y += X W^T is a sum whatever the order of its parts).
 //
 // The epilogue is a functor called once per warp with its accumulators (see the Store / Add / SiluMul below), so a
 // residual add or the MLP's SiLU(gate) * up costs no extra pass over memory.
@@ -88,31 +90,53 @@ struct SiluMulBf16 {
     }
 };
 
+// Split-K slices of one tile add into Y [M, N] fp32 concurrently: the `add` epilogue with atomic adds (one per
+// element and slice, so with a single slice the sum is the same as AddF32's).
+struct AddF32Atomic {
+    float* y;
+    template <int MI, int NI>
+    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
+            if (r < M && c < N) {
+                atomicAdd(y + (size_t)r * N + c, a);
+                atomicAdd(y + (size_t)r * N + c + 1, b);
+            }
+        });
+    }
+};
+
 // ---- the block ------------------------------------------------------------------------------------------------
 
-// This block's (row tile, column tile) in grouped order.
+// A block's work: its (row tile, column tile) and its slice of K, k tiles kt0 .. kt0 + k_tiles - 1.
+struct GemmWork {
+    int tm, tn, kt0, k_tiles;
+};
+
+// The grid holds `splits` = gridDim.x / tiles copies of the tiles (1 but for split-K); in each, tiles are numbered
+// in grouped order, and copy s takes k tiles [s KT / splits, (s + 1) KT / splits) of the KT = K / BK.
 template <class S>
-__device__ __forceinline__ void gemm_block_tile(int tiles_m, int tiles_n, int& tm, int& tn) {
-    const int per_group = S::GROUP_M * tiles_n, id = blockIdx.x % per_group;
-    const int first = blockIdx.x / per_group * S::GROUP_M, rows = min(tiles_m - first, S::GROUP_M);
-    tm = first + id % rows;
-    tn = id / rows;
+__device__ __forceinline__ GemmWork gemm_block_work(int M, int N, int K) {
+    const int tiles_m = (M + S::BM - 1) / S::BM, tiles_n = (N + S::BN - 1) / S::BN, tiles = tiles_m * tiles_n;
+    const int block = blockIdx.x % tiles, split = blockIdx.x / tiles, splits = gridDim.x / tiles;
+    const int per_group = S::GROUP_M * tiles_n, id = block % per_group;
+    const int first = block / per_group * S::GROUP_M, rows = min(tiles_m - first, S::GROUP_M);
+    const int kt_all = K / S::BK, kt0 = split * kt_all / splits;
+    return {first + id % rows, id / rows, kt0, (split + 1) * kt_all / splits - kt0};
 }
 
-// One block's BM x BN tile of Y = X W^T; launched with ceil(M/BM) * ceil(N/BN) blocks of S::THREADS threads and
-// S::SMEM bytes of dynamic shared memory.
+// One block's BM x BN tile of Y = X W^T (or its share of K); launched with splits * ceil(M/BM) * ceil(N/BN) blocks
+// of S::THREADS threads and S::SMEM bytes of dynamic shared memory.
 template <class S, class Epilogue>
 __device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict__ W, int M, int N, int K,
                              const Epilogue& epilogue, unsigned char* smem) {
     using ATile = SwizzledTile<S::BM, S::BK>;
     using BTile = SwizzledTile<S::BN, S::BK>;
     constexpr int STAGE = ATile::BYTES + BTile::BYTES;
-    int tm, tn;
-    gemm_block_tile<S>((M + S::BM - 1) / S::BM, (N + S::BN - 1) / S::BN, tm, tn);
-    const int m0 = tm * S::BM, n0 = tn * S::BN, k_tiles = K / S::BK;
+    const GemmWork work = gemm_block_work<S>(M, N, K);
+    const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles;
     const int warp = threadIdx.x / 32, wm = warp / S::WN * S::TM, wn = warp % S::WN * S::TN;
-    const bf16* x = X + (size_t)m0 * K;
-    const bf16* w = W + (size_t)n0 * K;
+    const bf16* x = X + (size_t)m0 * K + work.kt0 * S::BK;
+    const bf16* w = W + (size_t)n0 * K + work.kt0 * S::BK;
 
     auto load = [&](int kt) {  // k tile kt into stage kt % STAGES; always one commit, so group counts stay aligned
         if (kt < k_tiles) {

@@ -4,6 +4,8 @@ configurations fit each chip, and the host-side layouts (fused weights, conv rin
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,7 +18,7 @@ from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import random_weights
 from lucegen.reference.deltanet import causal_conv1d
 from lucegen.reference.ops import silu
-from lucegen.spec import all_specs, list_specs, load_spec
+from lucegen.spec import all_specs, gemm_methods, list_specs, load_spec
 
 TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
                    linear_key_head_dim=64, linear_value_head_dim=64)  # tests/gpu/test_prefill_gpu.py's model
@@ -35,10 +37,26 @@ def test_prefill_kernels_compile_for_the_test_model(tmp_path, spec_name):
         assert k.static_smem + k.dynamic_smem <= spec.chip.smem_per_block
 
 
-@pytest.mark.parametrize("spec", all_specs(), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)
+                                  if m != s.tuning.prefill.gemm], ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
+def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
+    """The GEMM methods a spec does not select (wgmma on the Hopper specs while they run mma) compile spill-free, for
+    the arch-specific target, with every tile and epilogue; test_prefill_kernels_compile_for_the_test_model covers
+    the selected one."""
+    result = build(spec, TINY, gemm.units(spec), root=tmp_path)
+    names = {k.name for k in result.kernels}
+    assert names == {gemm.kernel_name(c, e) for c in gemm.tile_configs(spec) for e in gemm.KERNEL_EPILOGUES}
+    for k in result.kernels:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec.name}"
+        assert k.coresident_blocks >= (spec.chip.sm_count if k.threads > 256 else 2 * spec.chip.sm_count), k.name
+
+
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)],
+                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}")
 def test_launch_configurations_fit_every_chip(spec):
     for c in gemm.tile_configs(spec):
         assert c.smem <= spec.chip.smem_per_block and c.stages >= 2 and c.threads <= 1024
+        assert c.method == spec.tuning.prefill.gemm
     for cfg in REAL + [TINY]:
         bv, stages = gdn.scan_config(spec, cfg)
         assert cfg.linear_value_head_dim % bv == 0 and gdn.scan_smem(cfg, bv, stages) <= spec.chip.smem_per_block
@@ -46,11 +64,40 @@ def test_launch_configurations_fit_every_chip(spec):
         assert shape_problem(spec, cfg) is None
 
 
-def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short():
-    h200 = load_spec("h200")
+@pytest.mark.parametrize("method", ["mma", "wgmma"])
+def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method):
+    h200 = load_spec("h200").with_prefill(gemm=method)
     large, small = gemm.tile_configs(h200)
     assert gemm.choose(h200, 8192, 17408) == large
     assert gemm.choose(h200, 64, 1024) == small
+
+
+@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
+                                  for sk in (1, 4)],
+                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}-split{s.tuning.prefill.split_k}")
+@given(m=st.integers(1, 8192), n2=st.integers(1, 9000), kt=st.integers(1, 300),
+       epilogue=st.sampled_from(list(gemm.EPILOGUES)))
+@settings(max_examples=50, deadline=None)
+def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilogue):
+    n, k = 2 * n2, kt * gemm.BK
+    c = gemm.choose(spec, m, n, k, epilogue)
+    s = gemm.splits(spec, c, m, n, k, epilogue)
+    assert 1 <= s <= spec.tuning.prefill.split_k
+    if s > 1:
+        assert epilogue == "add" and c.tiles(m, n) < spec.chip.sm_count and kt // s >= gemm.MIN_SLICE
+        # a split pays for its atomics only by unloading the busiest SM
+        assert math.ceil(c.tiles(m, n) * s / spec.chip.sm_count) / s < 1
+
+
+def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_not():
+    h200 = load_spec("h200").with_prefill(split_k=4)
+    for k in (2048, 3584):  # DeltaNet out_proj (value_dim) and MLP down (intermediate) of the 0.8B, N = 1024
+        c = gemm.choose(h200, 520, 1024, k, "add")
+        assert gemm.splits(h200, c, 520, 1024, k, "add") > 1
+        assert gemm.splits(h200, c, 520, 1024, k, "bf16") == 1
+        assert gemm.splits(load_spec("h200"), c, 520, 1024, k, "add") == 1  # the spec's default: no split
+    big = gemm.choose(h200, 4096, 5120, 17408, "add")
+    assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
 
 
 def test_shapes_the_tiles_cannot_take_are_refused_with_a_reason():

@@ -74,6 +74,8 @@ def _delete(path: str):
     (_set("tuning.gemv.tile_bytes", 200_000), "tuning.gemv.tile_bytes", "fitting the"),
     (_set("tuning.prefill", {"chunk_tokens": 1000}), "tuning.prefill.chunk_tokens", "multiple of 64"),
     (_set("tuning.prefill", {"chunk_tokens": 1 << 20}), "tuning.prefill.chunk_tokens", "max_context"),
+    (_set("tuning.prefill", {"gemm": "tcgen05"}), "tuning.prefill.gemm", "is not one of"),
+    (_set("tuning.prefill", {"split_k": 0}), "tuning.prefill.split_k", "between 1 (no split) and 8"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
     path = _write(tmp_path, mutate)
@@ -95,6 +97,17 @@ def test_fp8_kv_needs_ada_or_newer(tmp_path):
 def test_copy_engine_gemv_needs_hopper(tmp_path):
     with pytest.raises(SpecError, match=r"tuning.gemv.method: bulk copies need sm_90"):
         load_spec(_write(tmp_path, _set("chip.arch", "sm_89")))
+
+
+def test_wgmma_prefill_gemm_needs_hopper(tmp_path):
+    def mutate(d):
+        d["chip"]["arch"] = "sm_100"
+        d["tuning"]["prefill"] = {"gemm": "wgmma"}
+    with pytest.raises(SpecError, match=r"tuning.prefill.gemm: wgmma is Hopper's .* this chip is sm_100"):
+        load_spec(_write(tmp_path, mutate))
+    assert load_spec("h200").with_prefill(gemm="wgmma").tuning.prefill.gemm == "wgmma"
+    with pytest.raises(SpecError, match="tuning.prefill.gemm"):
+        load_spec("rtx4090").with_prefill(gemm="wgmma")
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):

@@ -4,13 +4,23 @@ Qwen3.5-0.8B and 27B in bf16, with random weights of the real shapes filled on t
 Each prefill is captured once in a CUDA graph (no host launch overhead) and replayed. FLOPs counted: 2 x the
 layers' matrix parameters x T, the LM head of the last token, and causal attention (QK^T and PV over T(T+1)/2
 query-key pairs per head); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
-compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the 27B prefill's
-GEMM shapes are timed alone against torch.matmul on the same shapes. HF transformers' pp520 (eager attention, bf16)
-is measured beside ours when torch and transformers import.
+compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
+the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
+every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
+split-K for the residual adds (tuning.prefill.split_k 1 and 4). HF transformers' pp520 (eager attention, bf16) is
+measured beside ours when torch and transformers import.
+
+Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
+launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
+(prefill_kernel_us_<kind>: gemm_<epilogue>, rmsnorm_f32, conv1d_gates, gdn_chunk_scan, attention_prefill_causal, ...)
+with its launches, its share of the kernels' sum and, for GEMMs, TFLOP/s. The pass runs behind >= 200 ms of graph
+replays, so the host's launches stay ahead of the GPU and the events time kernels rather than launch gaps.
 """
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 
 import numpy as np
 
@@ -21,15 +31,19 @@ from ..engine.weights import DeviceWeights
 from ..kernels import fill, gemm
 from ..kernels.megakernel import BF16
 from ..model.config import LINEAR, ModelConfig, load_config, tiny_config
-from ..runtime import DeviceArray, Graph, Stream, device_info, synchronize
-from ..spec import ChipSpec, spec_for_current_device
+from ..runtime import DeviceArray, Event, Graph, Stream, device_info, observe_launches, synchronize
+from ..spec import ChipSpec, gemm_methods, spec_for_current_device
 from .results import Recorder
 from .timing import median_ms
 
 MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
 LENGTHS = (520, 4096, 32768)
-GEMM_MODEL, GEMM_TOKENS = "qwen3.5-27b", 4096  # whose GEMM shapes are timed alone, at how many tokens
+GEMM_TOKENS = {"qwen3.5-27b": 4096, "qwen3.5-0.8b": 520}  # models whose GEMM shapes are timed alone, at how many tokens
 MATMUL_N = 8192
+BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind, for every GEMM variant
+SPLIT_K = 4                      # the split-K variants' tuning.prefill.split_k
+QUEUED_MS = 200.0                # graph replays queued ahead of the timed eager pass
+_SHAPE_PART = re.compile(r"(wg)?\d+x\d+|[hk]\d+")  # the parts of a kernel name that name a shape
 
 
 def matrix_params(cfg: ModelConfig) -> int:
@@ -120,22 +134,96 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
             "out_proj": (H, cfg.value_dim, "add"), "gate_up": (2 * I, H, "silu"), "down": (H, I, "add")}
 
 
+def variants(spec: ChipSpec) -> list[ChipSpec]:
+    """The spec, then the other GEMM variants of its prefill: each method the chip allows, without and with split-K."""
+    out = [spec]
+    for method in gemm_methods(spec):
+        for split_k in (1, SPLIT_K):
+            v = spec.with_prefill(gemm=method, split_k=split_k)
+            if v.tuning.prefill != spec.tuning.prefill:
+                out.append(v)
+    return out
+
+
+def gemm_variant(spec: ChipSpec) -> dict:
+    return {"gemm": spec.tuning.prefill.gemm, "split_k": spec.tuning.prefill.split_k}
+
+
 def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream: Stream) -> None:
-    """Each GEMM shape of the model alone, at m tokens: our TFLOP/s against torch.matmul's on the same shape."""
-    op = gemm.Gemm(build(spec, tiny_config(), gemm.units(spec)).module("prefill_gemm"), spec)
+    """Each GEMM shape of the model alone, at m tokens, with each GEMM variant: our TFLOP/s against torch.matmul's on
+    the same shape."""
+    specs = variants(spec)
+    ops = [gemm.Gemm(build(s, tiny_config(), gemm.units(s)).module("prefill_gemm"), s) for s in specs]
     rng = np.random.default_rng(0)
     for name, (n, k, epilogue) in gemm_shapes(cfg).items():
         x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32).astype(BF16))
         w = DeviceArray.from_numpy((rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(BF16))
         y = DeviceArray.zeros((m, n), np.float32)
-        ms = median_ms(lambda s: op(x, w, y, m, n, k, epilogue, stream=s), stream, warmup_s=0.2, repeat=20)
-        tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
         peer = torch_matmul_tflops(m, n, k)
-        rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer,
-                   config=gemm.choose(spec, m, n).name, epilogue=epilogue,
-                   **({"cublas_tflops": round(peer, 1)} if peer else {}))
+        for s, op in zip(specs, ops):
+            ms = median_ms(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream, warmup_s=0.2, repeat=20)
+            tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
+            c = gemm.choose(s, m, n, k, epilogue)
+            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer, config=c.name,
+                       splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s), epilogue=epilogue,
+                       **({"cublas_tflops": round(peer, 1)} if peer else {}))
         for a in (x, w, y):
             a.free()
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
+    rmsnorm_f32_h1024 -> rmsnorm_f32, gemv_bf16_k1024 -> gemv_bf16)."""
+    return "_".join(p for p in name.split("_") if not _SHAPE_PART.fullmatch(p))
+
+
+def graph_ms(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, T: int,
+             stream: Stream) -> tuple[Graph, float]:
+    """The prefill of `ids` captured in a graph, and the median time of a replay in milliseconds."""
+    state.reset()
+    with Graph.capture(stream) as graph:
+        prefill.enqueue(weights, state, ids, stream)
+    synchronize()
+    return graph, median_ms(lambda s: graph.launch(s), stream, warmup_s=1.0, repeat=5 if T > 4096 else 20)
+
+
+def kernel_times(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, graph: Graph,
+                 ms: float, stream: Stream) -> dict[str, list]:
+    """{kind: [device microseconds, launches, GEMM FLOPs]} of one eager pass of the prefill with an event pair around
+    every launch, enqueued behind >= QUEUED_MS of replays of its graph (ms each), so no kernel waits for its launch."""
+    for _ in range(math.ceil(QUEUED_MS / ms)):
+        graph.launch(stream)
+    marks = []
+
+    def timed(kernel, args, s, launch):
+        start = Event().record(s)
+        launch()
+        marks.append((kernel.name, args, start, Event().record(s)))
+
+    state.reset()
+    with observe_launches(timed):
+        prefill.enqueue(weights, state, ids, stream)
+    stream.synchronize()
+    kinds: dict[str, list] = {}
+    for name, args, start, end in marks:
+        k = kinds.setdefault(kernel_kind(name), [0.0, 0, 0.0])
+        k[0] += start.elapsed_ms(end) * 1e3
+        k[1] += 1
+        if name.startswith("gemm_"):  # args: X, W, Y, M, N, K
+            k[2] += 2.0 * args[3] * args[4] * args[5]
+        start.destroy(), end.destroy()
+    return kinds
+
+
+def record_breakdown(rec: Recorder, cfg: ModelConfig, T: int, spec: ChipSpec, kinds: dict[str, list],
+                     ms: float) -> None:
+    """Each kernel kind's time (prefill_kernel_us_<kind>), longest first."""
+    total = sum(us for us, _, _ in kinds.values())
+    print(f"{cfg.name} pp{T}, GEMM {gemm_variant(spec)}: the kernels take {total:.0f} us timed one by one, the "
+          f"graph {ms * 1e3:.0f} us")
+    for kind, (us, n, flops) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        rec.record(f"prefill_kernel_us_{kind}", f"{cfg.name} pp{T}", us, "us", launches=n, share=round(us / total, 3),
+                   **gemm_variant(spec), **({"tflops": round(flops / (us * 1e-6) / 1e12, 1)} if flops else {}))
 
 
 def fits(cfg: ModelConfig, T: int) -> bool:
@@ -164,23 +252,25 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
         weights = DeviceWeights.random(cfg, spec, filler)
         prefill = Prefill(spec, cfg)
         state = DeviceState(cfg, max(runnable))
+        others = [Prefill(v, cfg) for v in variants(spec)[1:]]  # timed at the breakdown's lengths
         for T in runnable:
             ids = DeviceArray.from_numpy(rng.integers(0, cfg.vocab_size, T).astype(np.int32))
-            state.reset()
-            with Graph.capture(stream) as graph:
-                prefill.enqueue(weights, state, ids, stream)
-            synchronize()
-            ms = median_ms(lambda s: graph.launch(s), stream, warmup_s=1.0, repeat=5 if T > 4096 else 20)
-            flops = prefill_flops(cfg, T)
-            tflops = flops / (ms * 1e-3) / 1e12
-            limit = T * peak * 1e12 / flops if peak else None
-            rec.record(f"pp{T}_tok_s", cfg.name, T / (ms * 1e-3), "tok/s", limit, ms=round(ms, 3),
-                       achieved_tflops=round(tflops, 1), chunk_tokens=prefill.chunk,
-                       **({"matmul_tflops": round(peak, 1), "of_matmul": round(tflops / peak, 3)} if peak else {}))
-            graph.destroy()
+            for p in [prefill, *others] if T in BREAKDOWN_LENGTHS else [prefill]:
+                graph, ms = graph_ms(p, weights, state, ids, T, stream)
+                flops = prefill_flops(cfg, T)
+                tflops = flops / (ms * 1e-3) / 1e12
+                limit = T * peak * 1e12 / flops if peak else None
+                rec.record(f"pp{T}_tok_s", cfg.name, T / (ms * 1e-3), "tok/s", limit, ms=round(ms, 3),
+                           achieved_tflops=round(tflops, 1), chunk_tokens=p.chunk, **gemm_variant(p.spec),
+                           **({"matmul_tflops": round(peak, 1), "of_matmul": round(tflops / peak, 3)} if peak else {}))
+                if T in BREAKDOWN_LENGTHS:
+                    record_breakdown(rec, cfg, T, p.spec, kernel_times(p, weights, state, ids, graph, ms, stream), ms)
+                graph.destroy()
             ids.free()
-        if peak and name == GEMM_MODEL:
-            bench_gemms(rec, spec, cfg, GEMM_TOKENS, stream)
+        for p in others:
+            p.free()
+        if peak and name in GEMM_TOKENS:
+            bench_gemms(rec, spec, cfg, GEMM_TOKENS[name], stream)
         state.free()
         prefill.free()
         weights.free()

@@ -97,6 +97,8 @@ def _key(source: str, options: Sequence[str], arch: str) -> str:
 
 def _compile_cached(unit: KernelUnit, source: str, source_path: Path, arch: str, cache: Path):
     """(key, cubin, resources, came from the cache) for one rendered unit."""
+    if unit.arch_specific and not arch.endswith("a"):
+        arch += "a"
     options = [*nvrtc.base_options(arch), *unit.options]
     key = _key(source, options, arch)
     cubin_path = cache / key[:2] / f"{key}.cubin"

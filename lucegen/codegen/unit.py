@@ -22,3 +22,4 @@ class KernelUnit:
     params: Mapping[str, Any]
     kernels: tuple[KernelSig, ...]
     options: tuple[str, ...] = field(default=())
+    arch_specific: bool = False  # compiled for the arch's "a" target (sm_90a: wgmma, setmaxnreg), not portable

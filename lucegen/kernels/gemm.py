@@ -6,13 +6,20 @@ Epilogues: `bf16` and `f32` store Y; `add` adds Y into an fp32 [M, N] array (the
 silu(gate) * up [M, N/2] bf16 from a W whose rows pair gate_proj and up_proj (row 2i = gate row i, row 2i + 1 = up
 row i: the packing of kernels.megakernel, whose weight arena the prefill reads).
 
-Two tile shapes are compiled per chip: a large one (the most throughput per block) and a small one (more blocks for
-short prompts and narrow outputs); the launcher picks, per call, the one with the shorter estimated time.
+Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with cp.async stages, gemm.cuh) and `wgmma`
+(Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
+the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
+most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
+per call, the one with the shorter estimated time. With tuning.prefill.split_k > 1, an `add` whose tiles are fewer
+than the SMs (the 0.8B's N = 1024 projections at a short prompt) is split along K into slices that add into Y
+atomically (`splits`): the busiest SM does less, but the fp32 sums' order then depends on the prompt's length and
+on timing.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -23,6 +30,8 @@ from ..spec import ChipSpec
 
 BK = 64          # K columns per pipeline stage
 
+MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
+
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
     "bf16": ("StoreBf16", "bf16", "bf16 out"),
@@ -30,59 +39,90 @@ EPILOGUES = {
     "add": ("AddF32", "float", "added into an fp32 residual"),
     "silu": ("SiluMulBf16", "bf16", "silu(gate) * up from paired gate/up rows, bf16 out"),
 }
+# the `add` kernel the launcher runs when it splits K: slices of one tile add into Y atomically
+SPLIT_ADD = "add_split"
+KERNEL_EPILOGUES = {**EPILOGUES, SPLIT_ADD: ("AddF32Atomic", "float", "added atomically into an fp32 residual "
+                                             "(split-K slices)")}
 
 
 @dataclass(frozen=True)
 class TileConfig:
     bm: int
     bn: int
-    wm: int          # warps along M
-    wn: int          # warps along N
+    wm: int          # mma: warps along M; wgmma: consumer warpgroups (64 rows each)
+    wn: int          # mma: warps along N; wgmma: 1 (a warpgroup takes all BN columns, 128 per wgmma)
     stages: int
     min_blocks: int  # __launch_bounds__ blocks per SM the register allocation must allow
     efficiency: float  # relative throughput of a block's tile, for choosing between configs
+    method: str = "mma"
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32
+        return (self.wm + 1) * 128 if self.method == "wgmma" else self.wm * self.wn * 32
 
     @property
     def smem(self) -> int:
-        return self.stages * (self.bm + self.bn) * BK * 2
+        tiles = self.stages * (self.bm + self.bn) * BK * 2
+        # wgmma: 1024 bytes to align the swizzled tiles, a full and an empty mbarrier per stage
+        return 1024 + tiles + self.stages * 16 if self.method == "wgmma" else tiles
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}"
+        return f"{'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}"
 
     def tiles(self, m: int, n: int) -> int:
         return math.ceil(m / self.bm) * math.ceil(n / self.bn)
 
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
-             min_stages: int = 2, max_stages: int = 4) -> TileConfig | None:
+             min_stages: int = 2, max_stages: int = 4, method: str = "mma") -> TileConfig | None:
     """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block, or None."""
     for stages in range(max_stages, min_stages - 1, -1):
-        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff)
+        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method)
         if cfg.smem <= spec.chip.smem_per_block:
             return cfg
     return None
 
 
 def tile_configs(spec: ChipSpec) -> tuple[TileConfig, TileConfig]:
-    """(large, small) tile shapes for the chip: 128x256 with 8 warps where three stages fit (A100, H100, H200),
-    else 128x128 with 4 warps; the small shape is 64x128 with 4 warps. Each takes as many stages (<= 4) as fit."""
-    large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
-    small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
+    """(large, small) tile shapes for the chip and its GEMM method.
+
+    mma: 128x256 with 8 warps where three stages fit (A100, H100, H200), else 128x128 with 4 warps; the small shape
+    is 64x128 with 4 warps. Each takes as many stages (<= 4) as fit.
+    wgmma: 128x256 with two consumer warpgroups (two m64n128 wgmma per 16 columns of K each) with as many stages
+    (<= 6) as fit, and 64x128 with one consumer warpgroup and 4 stages (two blocks share an SM's shared memory)."""
+    if spec.tuning.prefill.gemm == "wgmma":
+        large = _deepest(spec, 128, 256, 2, 1, 1, 1.0, min_stages=3, max_stages=6, method="wgmma")
+        small = _deepest(spec, 64, 128, 1, 1, 2, 0.8, method="wgmma")
+    else:
+        large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
+        small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
     if large is None or small is None:
         raise ValueError(f"{spec.name}: {spec.chip.smem_per_block} bytes of shared memory per block hold no GEMM tile")
     return large, small
 
 
-def choose(spec: ChipSpec, m: int, n: int) -> TileConfig:
-    """The config with the shorter estimated time: the busiest SM's tiles times the time of one tile (blocks that
-    share an SM share its tensor cores, so resident blocks do not shorten it)."""
-    return min(tile_configs(spec), key=lambda c: math.ceil(c.tiles(m, n) / spec.chip.sm_count) * c.bm * c.bn
-               / c.efficiency)
+def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
+    """The busiest SM's work in whole tiles: its blocks (blocks that share an SM share its tensor cores, so resident
+    blocks do not shorten it), each 1/splits of a tile."""
+    return math.ceil(c.tiles(m, n) * splits / spec.chip.sm_count) / splits
+
+
+def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str) -> int:
+    """Slices of K for config c: 1, but for an `add` with fewer tiles than SMs (a narrow output at a short prompt)
+    the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each) that least loads the busiest SM, the fewest on
+    a tie."""
+    if epilogue != "add" or c.tiles(m, n) >= spec.chip.sm_count:
+        return 1
+    return min(range(1, max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE)) + 1),
+               key=lambda s: (_waves(spec, c, m, n, s), s))
+
+
+def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
+    """The config with the shorter estimated time: the busiest SM's work (with the config's split of K) times the
+    time of one tile."""
+    return min(tile_configs(spec), key=lambda c: _waves(spec, c, m, n, splits(spec, c, m, n, k, epilogue))
+               * c.bm * c.bn / c.efficiency)
 
 
 def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None) -> np.ndarray:
@@ -102,13 +142,35 @@ def kernel_name(config: TileConfig, epilogue: str) -> str:
 def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     """One unit per chip (the model's shapes are launch arguments)."""
     configs = tile_configs(spec)
+    method = spec.tuning.prefill.gemm
     params = {
+        "method": method,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
                          min_blocks=c.min_blocks) for c in configs],
-        "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in EPILOGUES.items()],
+        "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in KERNEL_EPILOGUES.items()],
     }
-    sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs for e in EPILOGUES)
-    return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs)]
+    sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
+                 for e in KERNEL_EPILOGUES)
+    return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
+
+
+@lru_cache(maxsize=4096)
+def tensor_map(ptr: int, rows: int, cols: int, box_rows: int):
+    """The 2-D tensor map of a row-major bf16 [rows, cols] matrix at device address `ptr`, read in boxes of BK
+    columns x box_rows rows with the 128-byte swizzle (gemm_wgmma.cuh's tiles); rows past the end read as zeros.
+    A cuda-python CUtensorMap, which a launch passes by value (the kernel's `const __grid_constant__ TensorMap`).
+    Cached: a map depends only on these arguments, and the prefill reuses its buffers and weights."""
+    from cuda.bindings import driver as drv
+    from ..runtime.driver import call
+    if ptr % 16:
+        raise ValueError(f"GEMM operand at {ptr:#x} [{rows}, {cols}]: TMA needs a 16-byte aligned address")
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    return call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr,
+                [u64(cols), u64(rows)], [u64(cols * 2)], [u32(BK), u32(box_rows)], [u32(1), u32(1)],
+                drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
 
 class Gemm:
@@ -118,7 +180,7 @@ class Gemm:
         self.spec = spec
         self.kernels = {}
         for c in tile_configs(spec):
-            for e in EPILOGUES:
+            for e in KERNEL_EPILOGUES:
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)
@@ -126,8 +188,12 @@ class Gemm:
 
     def __call__(self, x, w, y, m: int, n: int, k: int, epilogue: str, stream=None,
                  config: TileConfig | None = None) -> None:
-        """Launch with `config`, or with the one `choose` picks for the shape."""
+        """Launch with `config`, or with the one `choose` picks for the shape; `add` splits K where `splits` says."""
         if k % BK or n % 2:
             raise ValueError(f"GEMM {m}x{n}x{k} ({epilogue}): K must be a multiple of {BK} and N even")
-        c = config or choose(self.spec, m, n)
-        self.kernels[c.name, epilogue](c.tiles(m, n), c.threads, x, w, y, m, n, k, smem=c.smem, stream=stream)
+        c = config or choose(self.spec, m, n, k, epilogue)
+        s = splits(self.spec, c, m, n, k, epilogue)
+        if c.method == "wgmma":
+            x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
+        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](s * c.tiles(m, n), c.threads, x, w, y, m, n, k,
+                                                                smem=c.smem, stream=stream)

@@ -1,9 +1,10 @@
-"""Loaded cubins and kernel launches (plain and cooperative)."""
+"""Loaded cubins and kernel launches (plain and cooperative), and a hook that sees every launch (for profiling)."""
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -11,6 +12,20 @@ from .driver import _drv, call, context
 from .memory import DeviceArray
 
 Dim = int | tuple[int, ...]
+# (kernel, args, stream, launch) -> None: while one is set, it runs every launch by calling launch()
+LaunchObserver = Callable[["Kernel", tuple, Any, Callable[[], None]], None]
+_observers: list[LaunchObserver] = []
+
+
+@contextmanager
+def observe_launches(observer: LaunchObserver):
+    """Route every kernel launch through observer(kernel, args, stream, launch) while the block runs; the observer
+    enqueues the kernel by calling launch() (e.g. between two events, to time each kernel of a sequence)."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
 
 
 def _dim3(d: Dim) -> tuple[int, int, int]:
@@ -30,6 +45,8 @@ def _params(args: Sequence[Any]):
             values.append(int(a)); types.append(ctypes.c_int)
         elif isinstance(a, (float, np.floating)):
             values.append(float(a)); types.append(ctypes.c_float)
+        elif callable(getattr(a, "getPtr", None)):
+            values.append(a); types.append(None)      # a cuda-python struct by value, e.g. a CUtensorMap
         elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], type):
             values.append(a[0]); types.append(a[1])   # explicit (value, ctypes type), e.g. (n, c_int64)
         else:
@@ -52,6 +69,12 @@ class Kernel:
 
     def __call__(self, grid: Dim, block: Dim, *args: Any, smem: int = 0, stream=None,
                  cooperative: bool = False) -> None:
+        if _observers:
+            _observers[-1](self, args, stream, lambda: self._launch(grid, block, args, smem, stream, cooperative))
+        else:
+            self._launch(grid, block, args, smem, stream, cooperative)
+
+    def _launch(self, grid: Dim, block: Dim, args: Sequence[Any], smem: int, stream, cooperative: bool) -> None:
         g, b = _dim3(grid), _dim3(block)
         h = stream.handle if stream is not None else 0
         if cooperative:

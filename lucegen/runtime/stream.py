@@ -36,6 +36,11 @@ class Event:
         fn = "cuEventElapsedTime_v2" if hasattr(_drv(), "cuEventElapsedTime_v2") else "cuEventElapsedTime"
         return float(call(fn, self.handle, end.handle))
 
+    def destroy(self) -> None:
+        if self.handle is not None:
+            call("cuEventDestroy", self.handle)
+            self.handle = None
+
 
 class Graph:
     """Capture: `with Graph.capture(stream) as g: launches...`, then `g.launch(stream)` replays them all."""

@@ -40,7 +40,7 @@ from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
 from lucegen.runtime import DeviceArray, synchronize
-from lucegen.spec import spec_for_current_device
+from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
 from host_kernels import on_host
 
 pytestmark = pytest.mark.gpu
@@ -107,12 +107,28 @@ def kernels(spec, tmp_path_factory):
 GEMM_KS = [64, 128, 1024, 3584, 5120]
 
 
+@pytest.fixture(scope="module")
+def gemms(spec, tmp_path_factory):
+    """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once; with
+    split-K allowed, so an `add` with fewer tiles than SMs runs the atomic split kernel."""
+    root = tmp_path_factory.mktemp("gemm")
+
+    @cache
+    def get(method: str):
+        if method not in gemm_methods(spec):
+            pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
+        s = spec.with_prefill(gemm=method, split_k=4)
+        return gemm.Gemm(build(s, TINY, gemm.units(s), root=root).module("prefill_gemm"), s), s
+    return get
+
+
 @pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
 @pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("method", GEMM_METHODS)
 @SETTINGS
 @given(m=LENGTHS, n16=st.integers(1, 80), k=st.sampled_from(GEMM_KS), seed=st.integers(0, 2**32 - 1))
-def test_gemm_matches_numpy(kernels, spec, epilogue, tile, m, n16, k, seed):
-    op = kernels("tiny").gemm
+def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
+    op, spec = gemms(method)
     config = gemm.tile_configs(spec)[tile == "small"]
     n = 16 * n16 - 2 * (seed % 8)  # every even N mod 16: partial last column tiles
     rng = np.random.default_rng(seed)
@@ -336,6 +352,26 @@ def test_prefill_matches_the_reference(engine, model, T):
     assert rel_err(logits, ref) < E2E_RTOL[model]
     assert_state_close(state, ref_state, E2E_RTOL[model])
     state.free()
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("method", GEMM_METHODS)
+def test_prefill_with_every_gemm_variant_matches_the_reference(spec, method, split_k, tmp_path):
+    """The whole 0.8B prefill of 520 tokens with each GEMM method the chip allows, without and with split-K (the
+    0.8B's N = 1024 residual adds at 520 tokens have fewer tiles than SMs, so split_k 4 splits them)."""
+    if method not in gemm_methods(spec):
+        pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
+    variant, cfg, w, T = spec.with_prefill(gemm=method, split_k=split_k), MODELS["0.8b"](), model_weights("0.8b"), 520
+    ids = np.random.default_rng(T).integers(0, cfg.vocab_size, T)
+    state = DeviceState(cfg, T + 16)
+    prefill, weights = Prefill(variant, cfg, root=tmp_path), DeviceWeights.upload(cfg, variant, w)
+    logits = run((prefill, weights), state, ids)
+    ref_state = State()
+    ref = reference_last_logits(w, cfg, ids, ref_state)
+    assert rel_err(logits, ref) < E2E_RTOL["0.8b"]
+    assert_state_close(state, ref_state, E2E_RTOL["0.8b"])
+    for a in (state, prefill, weights):
+        a.free()
 
 
 @pytest.mark.parametrize("model", ["tiny", "0.8b"])
