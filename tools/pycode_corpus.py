@@ -96,3 +96,22 @@ class PurePythonBPE:
     def encode(self, text: str) -> list[int]:
         text = unicodedata.normalize("NFC", text)
         return [i for word in _SPLIT.findall(text) for i in self._word(word)]
+
+
+def held_out_prompts(n: int, chars: int = 240) -> list[tuple[str, str]]:
+    """[(file, prompt)] for the first n held-out files of at least 40 lines: whole lines from the middle of the
+    file, at most `chars` characters (code the models never trained on, cut at the same place on any machine)."""
+    out = []
+    for rel, text in corpus_files(held_out=True):
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        prompt = ""
+        for line in lines[len(lines) // 2:]:
+            if prompt and len(prompt) + len(line) > chars:
+                break
+            prompt += line
+        out.append((rel, prompt[:chars]))
+        if len(out) == n:
+            break
+    return out
