@@ -52,6 +52,7 @@ def test_trained_draft_is_lossless_and_accepts_more_than_one_token(prompts, auto
     assert tokens_per_pass(runs) > 1.5
 
 
+@pytest.mark.slow
 def test_a_random_draft_of_the_same_shape_accepts_far_less(prompts, autoregressive, tmp_path):
     """The floor the trained draft is measured against: same config, random weights."""
     cfg, _ = load_draft(DEFAULT_DRAFT, load_model(DEFAULT_TARGET)[0].config)

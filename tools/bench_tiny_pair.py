@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speculative decoding with the shipped tiny pair, measured with lucegen's own engine (numpy backend, CPU).
 
-    python3 tools/bench_tiny_pair.py [--prompts 8] [--tokens 64] [--budget 22] [--model DIR --draft DIR]
+    python3 tools/bench_tiny_pair.py [--prompts 6] [--tokens 48] [--budget 22] [--model DIR --draft DIR]
 
 On held-out code prompts (tools/pycode_corpus.held_out_prompts) it generates greedily, ignoring EOS, with:
     ar       plain decoding, one target pass per token
@@ -37,8 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_TARGET)
     ap.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--budget", type=int, default=22, help="DDTree nodes per target pass")
     ap.add_argument("--results", type=Path, default=None, help="JSONL file (default results/cpu-numpy.jsonl)")
     args = ap.parse_args()
