@@ -12,8 +12,8 @@ is held out for evaluation), tokenized with the committed tokenizer (lucegen/mod
    random anchors a; block [x_a, mask x 15] at positions a..a+15 reads the fused target features of tokens < a
    (and its own block, unmasked) and predicts x_{a+1..a+15}, cross-entropy weighted exp(-(k-1)/7) at depth k.
 Writes OUT/target (config.json, model.safetensors, tokenizer files: lucegen's HF layout), OUT/draft
-(lucegen.model.draft's layout) and OUT/train_log.json; each is written when its phase ends. Last, on the CPU, the
-saved bf16 files are loaded into lucegen's numpy reference and compared with the torch forward passes.
+(lucegen.model.draft's layout), each every minute of its phase and at its end, and OUT/train_log.json. Last, on
+the CPU, the saved bf16 files are loaded into lucegen's numpy reference and compared with the torch forwards.
 Needs torch, transformers (>= 5.17, the Qwen3.5 code), numpy, safetensors, ml_dtypes; not lucegen.runtime.
 """
 import torch  # first: importing it after cuda-python modules fails on some images
@@ -227,15 +227,17 @@ def hf_target(device):
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="sdpa")).to(device)
 
 
-def train(params, step_fn, seconds: float, lr: float, name: str, device) -> list[dict]:
-    """AdamW on params until `seconds` pass; step_fn() -> (loss, metrics dict). Returns the logged points."""
+def train(params, step_fn, seconds: float, lr: float, name: str, device, save, save_every: float = 60.0
+          ) -> list[dict]:
+    """AdamW on params until `seconds` pass; step_fn() -> (loss, metrics dict); save() writes the weights so far
+    every save_every seconds (and at the end). Returns the logged points."""
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                    enabled=False)
-    start, history, step, next_log = time.perf_counter(), [], 0, 0.0
+    start, history, step, next_log, next_save = time.perf_counter(), [], 0, 0.0, save_every
     while (elapsed := time.perf_counter() - start) < seconds:
         for group in opt.param_groups:
             group["lr"] = lr_at(elapsed / seconds, lr)
@@ -252,8 +254,12 @@ def train(params, step_fn, seconds: float, lr: float, name: str, device) -> list
             history.append(point)
             log(f"{name} " + " ".join(f"{k} {v}" for k, v in point.items()))
             next_log = elapsed + max(2.0, seconds / 30)
+        if elapsed >= next_save:
+            save()
+            next_save = elapsed + save_every
     history.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "loss": round(loss.item(), 4)})
     log(f"{name}: {step} steps in {history[-1]['seconds']} s")
+    save()
     return history
 
 
@@ -324,7 +330,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=24, help="anchors (draft blocks) per sequence")
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--draft-lr", type=float, default=1e-3)
+    ap.add_argument("--draft-lr", type=float, default=2e-3)
     ap.add_argument("--max-files", type=int, default=None, help="train on the first N files (quick CPU tests)")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the reported numbers")
     ap.add_argument("--seed", type=int, default=0)
@@ -355,12 +361,11 @@ def main() -> int:
 
     target.train()
     report["target_history"] = train(list(target.parameters()), target_step, seconds * args.target_share,
-                                     args.lr, "target", device)
+                                     args.lr, "target", device, lambda: write_target(args.out / "target", target))
     target.eval()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         report["target_val_loss"] = evaluate(lambda: target_step(val_ids)[0], args.eval_batches)
     log(f"target held-out loss {report['target_val_loss']:.4f}")
-    write_target(args.out / "target", target)
     for p in target.parameters():
         p.requires_grad_(False)
 
@@ -379,12 +384,11 @@ def main() -> int:
 
     draft.train()
     report["draft_history"] = train(list(draft.parameters()), draft_step, seconds * (1 - args.target_share),
-                                    args.draft_lr, "draft", device)
+                                    args.draft_lr, "draft", device, lambda: write_draft_dir(args.out / "draft", draft))
     draft.eval()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         report["draft_val_accepted_on_data"] = evaluate(lambda: draft_step(val_ids)[1]["accepted"], args.eval_batches)
     log(f"draft held-out: {report['draft_val_accepted_on_data']:.2f} leading block tokens right (data as labels)")
-    write_draft_dir(args.out / "draft", draft)
 
     report["reference_check"] = check_against_reference(args.out, held_out[:96])
     log(f"lucegen numpy reference vs torch on the saved weights: {report['reference_check']}")
