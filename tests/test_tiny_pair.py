@@ -64,7 +64,7 @@ def test_a_random_draft_of_the_same_shape_accepts_far_less(prompts, autoregressi
 
 def test_the_pair_fits_16_mb():
     size = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file())
-    assert size <= 16 * 2**20
+    assert size <= 16_000_000
 
 
 def test_lucegen_run_uses_the_pair_by_default(capsys):

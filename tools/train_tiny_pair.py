@@ -287,23 +287,29 @@ def write_draft_dir(directory: Path, draft) -> None:
     write_draft(directory, draft.cfg, {k: t.detach().float().cpu().numpy() for k, t in draft.state_dict().items()})
 
 
+def read_target(directory: Path) -> tuple[dict[str, np.ndarray], nn.Module]:
+    """A saved target: its canonical float32 weights and the HF model holding them (float32, CPU)."""
+    from lucegen.model.hf import load_hf
+    weights = {k: np.asarray(v, np.float32) for k, v in load_hf(directory).items()}
+    target = hf_target(torch.device("cpu")).float().eval()
+    state = {f"model.{k}": torch.from_numpy(v) for k, v in weights.items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    target.load_state_dict(state)
+    return weights, target
+
+
 def check_against_reference(out: Path, ids: np.ndarray) -> dict[str, float]:
     """Relative errors of lucegen's numpy reference against the torch forwards (float32, CPU), both on the saved
     bf16 weights: target logits over ids, and the draft's block logits after them."""
     from lucegen.model.draft import load_draft
-    from lucegen.model.hf import load_hf
     from lucegen.reference import forward, relative_error
     from lucegen.reference.dflash import context_features, draft_forward
-    weights = {k: np.asarray(v, np.float32) for k, v in load_hf(out / "target").items()}
+    weights, target = read_target(out / "target")
     dcfg, dweights = load_draft(out / "draft", TARGET)
     ref = forward(weights, TARGET, ids, output_hidden_states=True)
     block = [int(ids[-1])] + [dcfg.mask_token_id] * (BLOCK - 1)
     ref_draft = draft_forward(dweights, weights, dcfg, TARGET, context_features(ref, dcfg.target_layer_ids[:]),
                               block)
-    target = hf_target(torch.device("cpu")).float().eval()
-    state = {f"model.{k}": torch.from_numpy(v) for k, v in weights.items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    target.load_state_dict(state)
     draft = Draft(dcfg).eval()
     draft.load_state_dict({k: torch.from_numpy(v) for k, v in dweights.items()})
     T = len(ids)
@@ -331,6 +337,8 @@ def main() -> int:
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
+    ap.add_argument("--target-from", type=Path, default=None, help="a target folder this script wrote: train "
+                                                                      "only a draft for it")
     ap.add_argument("--max-files", type=int, default=None, help="train on the first N files (quick CPU tests)")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the reported numbers")
     ap.add_argument("--seed", type=int, default=0)
@@ -352,16 +360,21 @@ def main() -> int:
               "corpus": {"python": sys.version.split()[0], "files": len(files), "tokens": len(tokens),
                          "held_out_tokens": len(held_out)}}
 
-    target = hf_target(device)
-    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters")
-
     def target_step(ids_source=train_ids):
         ids = batch(ids_source, args.batch, args.seq, gen).to(device)
         return target(input_ids=ids, labels=ids, use_cache=False).loss, {}
 
-    target.train()
-    report["target_history"] = train(list(target.parameters()), target_step, seconds * args.target_share,
-                                     args.lr, "target", device, lambda: write_target(args.out / "target", target))
+    if args.target_from:  # train only a draft, for a target trained before
+        target = read_target(args.target_from)[1].to(device)
+        write_target(args.out / "target", target)
+        log(f"target: read from {args.target_from}; the draft gets all the time")
+        args.target_share = 0.0
+    else:
+        target = hf_target(device)
+        log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters")
+        target.train()
+        report["target_history"] = train(list(target.parameters()), target_step, seconds * args.target_share,
+                                         args.lr, "target", device, lambda: write_target(args.out / "target", target))
     target.eval()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         report["target_val_loss"] = evaluate(lambda: target_step(val_ids)[0], args.eval_batches)
