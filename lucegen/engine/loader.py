@@ -18,8 +18,23 @@ from ..spec import DDTreeTuning, load_spec
 from .base import Engine
 
 
+# The default model: a tiny Qwen3.5-architecture target and its DFlash draft trained on Python code
+# (tools/train_tiny_pair.py; how and on what: lucegen/models/tiny-pycode/README.md).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-pycode"
+DEFAULT_TARGET = DEFAULT_MODEL_DIR / "target"
+DEFAULT_DRAFT = DEFAULT_MODEL_DIR / "draft"
+
+
 class LoadError(ValueError):
     """A model that cannot be opened with the options given."""
+
+
+def default_model() -> Path:
+    """The default model's target folder; a LoadError when its weights are not in this checkout yet."""
+    if not (DEFAULT_TARGET / "model.safetensors").is_file():
+        raise LoadError(f"the default model's weights are not in {DEFAULT_TARGET}: train them with "
+                        "tools/train_tiny_pair.py, or give --model")
+    return DEFAULT_TARGET
 
 
 def _numpy(weights: LazyWeights, max_context: int | None, spec: str | None) -> Engine:
@@ -89,6 +104,8 @@ def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | 
 def model_name(model: str | Path) -> str:
     """The name a model is served under by default: its folder's (or .gguf file's) name, or the hub id."""
     path = Path(model).expanduser()
+    if path.exists() and path.resolve() == DEFAULT_TARGET:
+        return DEFAULT_MODEL_DIR.name
     if path.exists():
         return path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
     return str(model)

@@ -7,25 +7,21 @@ the same weights with llama.cpp's conventions applied (gguf_file.convert) in a l
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 from gguf import GGML_QUANT_VERSION, LlamaFileType
-from safetensors.numpy import save_file
 
 from lucegen.reference.weights import random_weights
 
 from .config import ModelConfig
 from .gguf_file import gguf_name, split_name, write_gguf
+from .hf import DEFAULT_SHARD_BYTES, write_hf
 from .quants import GGMLType, block_shape
-from .tokenizer import write_tokenizer_files
 from .weights import weight_shapes
 
-HF_PREFIX = "model.language_model."
-DEFAULT_SHARD_BYTES = 4 << 30
 # mix -> (base type of matrices, llama.cpp's general.file_type); *_k_m mixes follow llama.cpp's Q4_K_M / Q5_K_M.
 MIXES = {
     "q4_k_m": (GGMLType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
@@ -78,37 +74,6 @@ def gguf_types(cfg: ModelConfig, mix: str = "q4_k_m") -> tuple[dict[str, GGMLTyp
             t = used
         types[name] = t
     return types, fallbacks
-
-
-def write_hf(directory: str | Path, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
-             max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: bool = True) -> Path:
-    """An HF snapshot of `weights` in bf16: config.json, model.safetensors or shards + index, tokenizer files."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    shards, size = [[]], 0
-    for name, shape in weight_shapes(cfg).items():
-        nbytes = 2 * int(np.prod(shape))
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map = {}
-    for file, names in zip(files, shards):
-        tensors = {(name if name == "lm_head.weight" else HF_PREFIX + name):
-                   np.asarray(weights[name]).astype(ml_dtypes.bfloat16) for name in names}
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-    if len(files) > 1:
-        total = sum(2 * int(np.prod(s)) for s in weight_shapes(cfg).values())
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    if tokenizer:
-        write_tokenizer_files(directory, cfg.vocab_size)
-    return directory
 
 
 def write_gguf_checkpoint(path: str | Path, cfg: ModelConfig, weights: Mapping[str, np.ndarray],

@@ -7,15 +7,18 @@ the snapshot is opened (names, shapes against the config, dtypes); tensor data i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from .config import ModelConfig
-from .weights import LazyWeights, WeightError, missing_error
+from .weights import LazyWeights, WeightError, missing_error, weight_shapes
 
 INDEX = "model.safetensors.index.json"
 SNAPSHOT_FILES = ["config.json", "generation_config.json", "*.safetensors", INDEX, "tokenizer*", "vocab.json",
@@ -23,6 +26,8 @@ SNAPSHOT_FILES = ["config.json", "generation_config.json", "*.safetensors", INDE
 DTYPES = ("BF16", "F16", "F32")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 PREFIXES = ("model.language_model.", "model.")
+HF_PREFIX = PREFIXES[0]  # what write_hf stores under, as the official snapshots do
+DEFAULT_SHARD_BYTES = 4 << 30
 
 
 def canonical_name(stored: str) -> str | None:
@@ -124,3 +129,36 @@ class HFCheckpoint(LazyWeights):
 def load_hf(path_or_id: str | Path, revision: str | None = None, cache_dir: str | Path | None = None) -> HFCheckpoint:
     """Open an HF snapshot (a local directory or a hub model id) as lazily read canonical weights."""
     return HFCheckpoint(resolve_snapshot(path_or_id, revision, cache_dir))
+
+
+def write_hf(directory: str | Path, cfg: ModelConfig, weights: Mapping[str, np.ndarray],
+             max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: bool = True) -> Path:
+    """An HF snapshot of canonical `weights` in bf16: config.json, model.safetensors or shards + index, and the
+    tokenizer files (lucegen.model.tokenizer) unless tokenizer=False."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    shards, size = [[]], 0
+    for name, shape in weight_shapes(cfg).items():
+        nbytes = 2 * int(np.prod(shape))
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for file, names in zip(files, shards):
+        tensors = {(name if name == "lm_head.weight" else HF_PREFIX + name):
+                   np.asarray(weights[name]).astype(ml_dtypes.bfloat16) for name in names}
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    if len(files) > 1:
+        total = sum(2 * int(np.prod(s)) for s in weight_shapes(cfg).values())
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if tokenizer:
+        from .tokenizer import write_tokenizer_files  # here: `tokenizers` is needed only for these files
+        write_tokenizer_files(directory, cfg.vocab_size)
+    return directory

@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF snapshot folder, .gguf file or hub model id")
+    p.add_argument("--model", default=None, help="HF snapshot folder, .gguf file or hub model id (default: the "
+                                                 "bundled tiny-pycode target, lucegen/models/tiny-pycode)")
     p.add_argument("--backend", default="numpy", help="numpy (the default: the reference, slow) or cuda")
     p.add_argument("--max-context", type=int, default=None, help="tokens of prompt + output (default: the "
                                                                  "model's max_position_embeddings)")
@@ -52,7 +53,9 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from ..engine.loader import load_model
+    from ..engine.loader import default_model, load_model
+    if args.model is None:
+        args.model = str(default_model())
     return load_model(args.model, args.backend, max_context=args.max_context, spec=args.spec, draft=args.draft,
                       budget=args.budget, chain=args.chain, tokenizer=args.tokenizer)
 
