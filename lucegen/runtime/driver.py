@@ -5,6 +5,7 @@ Every driver call goes through `call`, which raises CudaError naming the call an
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -25,8 +26,20 @@ def _drv():
     return driver
 
 
+_thread = threading.local()  # .ordinal: the device whose primary context is current in this thread
+
+# Driver calls that need no current context; every other call first makes the primary context current in the
+# calling thread (a context is current per thread: a server's engine thread needs it as much as the main thread).
+_CONTEXT_FREE = frozenset({
+    "cuInit", "cuDriverGetVersion", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetAttribute", "cuDeviceGetName",
+    "cuDeviceTotalMem", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuGetErrorName", "cuGetErrorString",
+    "cuTensorMapEncodeTiled"})
+
+
 def call(fn_name: str, *args: Any) -> Any:
     """Call driver.<fn_name>(*args); raise CudaError on failure; return the result(s) after the status code."""
+    if fn_name not in _CONTEXT_FREE and getattr(_thread, "ordinal", None) is None:
+        context()
     drv = _drv()
     result = getattr(drv, fn_name)(*args)
     err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
@@ -94,15 +107,21 @@ def device_info(ordinal: int = 0) -> DeviceInfo:
 
 
 @lru_cache(maxsize=None)
-def context(ordinal: int = 0):
-    """Make the device's primary context current (retained for the life of the process) and return it."""
+def _primary_context(ordinal: int):
+    """The device's primary context, retained for the life of the process."""
     init()
-    dev = call("cuDeviceGet", ordinal)
-    ctx = call("cuDevicePrimaryCtxRetain", dev)
-    call("cuCtxSetCurrent", ctx)
+    return call("cuDevicePrimaryCtxRetain", call("cuDeviceGet", ordinal))
+
+
+def context(ordinal: int = 0):
+    """Make the device's primary context current in the calling thread and return it. A context is current per
+    thread: a server's engine thread needs this as much as the main thread does."""
+    ctx = _primary_context(ordinal)
+    if getattr(_thread, "ordinal", None) != ordinal:
+        call("cuCtxSetCurrent", ctx)
+        _thread.ordinal = ordinal
     return ctx
 
 
 def synchronize() -> None:
-    context()
     call("cuCtxSynchronize")

@@ -11,7 +11,7 @@ from typing import Sequence
 import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 dtype)
 import numpy as np
 
-from .driver import call, context
+from .driver import call
 
 
 class DeviceArray:
@@ -24,7 +24,6 @@ class DeviceArray:
     # ---- allocation ---------------------------------------------------------------------------------------
     @classmethod
     def empty(cls, shape: Sequence[int] | int, dtype) -> "DeviceArray":
-        context()
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         nbytes = max(1, math.prod(shape) * np.dtype(dtype).itemsize)
         return cls(int(call("cuMemAlloc", nbytes)), shape, dtype, owner=True)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .driver import _drv, call, context
+from .driver import _drv, call
 from .memory import DeviceArray
 
 Dim = int | tuple[int, ...]
@@ -90,7 +90,6 @@ class Module:
     """A cubin loaded into the current context; kernels are looked up by name and cached."""
 
     def __init__(self, image: bytes, name: str = "<cubin>"):
-        context()
         self.name = name
         self.handle = call("cuModuleLoadData", image)
         self._kernels: dict[str, Kernel] = {}

@@ -1,12 +1,11 @@
 """Streams, events (timing) and CUDA graphs (capture a stream's launches once, replay them for one launch)."""
 from __future__ import annotations
 
-from .driver import _drv, call, context
+from .driver import _drv, call
 
 
 class Stream:
     def __init__(self):
-        context()
         self.handle = call("cuStreamCreate", _drv().CUstream_flags.CU_STREAM_NON_BLOCKING)
 
     def synchronize(self) -> None:
@@ -20,7 +19,6 @@ class Stream:
 
 class Event:
     def __init__(self):
-        context()
         self.handle = call("cuEventCreate", _drv().CUevent_flags.CU_EVENT_DEFAULT)
 
     def record(self, stream: Stream | None = None) -> "Event":

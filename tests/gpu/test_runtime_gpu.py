@@ -1,6 +1,8 @@
 """The runtime over cuda.bindings.driver, on a real GPU: memory, copies, launches, streams, events, graphs."""
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -100,3 +102,20 @@ def test_failing_calls_name_the_call_and_the_cuda_error(module):
         module.kernel("no_such_kernel")
     with pytest.raises(CudaError, match=r"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE"):
         module.kernel("axpy")(1, 4096, 1.0, DeviceArray.empty(1, np.float32), DeviceArray.empty(1, np.float32), 1)
+
+
+def test_another_thread_allocates_copies_and_launches(module):
+    """A context is current per thread: a thread that never touched the GPU (a server's engine thread) can
+    allocate, copy and launch a kernel loaded by another."""
+    x = np.arange(1000, dtype=np.float32)
+    result = {}
+
+    def work():
+        dx, dy = DeviceArray.from_numpy(x), DeviceArray.from_numpy(np.ones_like(x))
+        module.kernel("axpy")(4, 256, 2.0, dx, dy, x.size)
+        result["y"] = dy.numpy()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    np.testing.assert_array_equal(result["y"], 2 * x + 1)
