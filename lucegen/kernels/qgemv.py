@@ -340,7 +340,7 @@ class QMatmul:
             t = tuning(spec, self.fmt, k, gemm)
             kernel = module.kernel(kernel_name(self.fmt, k, t))
             smem = t.smem(self.fmt, k)
-            if smem > 48 * 1024:
+            if t.block_smem(self.fmt, k) > 48 * 1024:  # past 48 KB with the static mbarriers: opt in
                 kernel.set_max_dynamic_smem(smem)
             per_sm = min(spec.tuning.gemv.blocks_per_sm, kernel.max_active_blocks_per_sm(t.threads, smem))
             if per_sm < 1:

@@ -8,9 +8,13 @@ source of error. Outputs and the state are poisoned (all bits set: NaN) before t
 fails to write, or state it must not read, shows.
 
 Tolerance of whole steps (relative error of the logits): STEP_RTOL = 1e-2, the decode megakernel's for its ratio3
-model (tests/gpu/test_megakernel_gpu.py): the step runs the megakernel's mixers with the same bf16 KV cache, the
-one deliberate departure from the fp32 reference (a numpy run that rounds its cache to bf16 moved ratio3's
-logits by up to 3.3e-3); everything else is fp32. A wrong index, position, head order or state is off by O(0.1..1).
+model (tests/gpu/test_megakernel_gpu.py): the step runs the megakernel's mixers with the same bf16 KV cache, a
+deliberate departure from the fp32 reference (a numpy run that rounds its cache to bf16 moved ratio3's logits by
+up to 3.3e-3); everything else is fp32 except the other deliberate one: the quantized formats' GEMVs multiply
+activations quantized to 8 bits per 32 values (lucegen/kernels/qgemv.py), which moves this model's logits by
+several percent. The reference of a GGUF run therefore quantizes the activations of those matrices exactly as the
+kernels do (qgemv.quantize_x: ActivationQuantized below). A wrong index, position, head order or state is off by
+O(0.1..1).
 """
 from __future__ import annotations
 
@@ -18,10 +22,11 @@ import numpy as np
 import pytest
 
 from lucegen.engine.layered import LayeredEngine
-from lucegen.kernels import layered
+from lucegen.kernels import layered, qgemv
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
-from lucegen.model.gguf_file import load_gguf
+from lucegen.model.gguf_file import gguf_name, load_gguf
+from lucegen.model.quants import GGMLType
 from lucegen.model.weights import open_weights
 from lucegen.reference import State, decode_step, generate, relative_error
 
@@ -37,11 +42,43 @@ RATIO3_Q = tiny_config(name="ratio3q", hidden_size=256, num_hidden_layers=8, int
                        linear_num_value_heads=6, linear_key_head_dim=128, linear_value_head_dim=128)
 
 
+class ActivationQuantized:
+    """A weight matrix W for the reference's `x @ W.T`, multiplied as the quantized GEMV does: x quantized to 8 bits
+    per 32 values (qgemv.quantize_x, the kernels' rounding bit for bit) times W's values, summed in float64."""
+    __array_ufunc__ = None  # numpy defers `x @ self` to __rmatmul__
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+
+    @property
+    def T(self) -> "ActivationQuantized":
+        return self
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        rows = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+        q, dx, _ = qgemv.quantize_x(rows)
+        xq = (q.reshape(len(rows), -1, 32) * dx[..., None].astype(np.float64)).reshape(rows.shape)
+        return (xq @ self.w.T.astype(np.float64)).astype(np.float32).reshape(*x.shape[:-1], -1)
+
+
+UNQUANTIZED = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
+
+
 def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
+    """(weights as lucegen loads them, the reference's weights). From a GGUF, every matrix stored in a quantized
+    format multiplies quantized activations in the reference too (the embedding gather stays plain)."""
     d = tmp_path_factory.mktemp(f"ratio3q-{fmt}-{int(peaked)}")
     paths = make_checkpoint(d, RATIO3_Q, seed=11, peaked=peaked, formats=(fmt,), progress=False, tokenizer=False)
     weights = load_gguf(paths["gguf"]) if fmt == "gguf" else open_weights(paths["hf"])
-    return weights, {k: np.asarray(v, np.float32) for k, v in weights.load_all(progress=False).items()}
+    ref = {k: np.asarray(v, np.float32) for k, v in weights.load_all(progress=False).items()}
+    if fmt == "gguf":
+        quantized = {k for k, v in ref.items() if v.ndim == 2 and k != "embed_tokens.weight"
+                     and weights.raw(gguf_name(k)).type not in UNQUANTIZED}
+        if "lm_head.weight" not in ref and weights.raw("token_embd.weight").type not in UNQUANTIZED:
+            ref["lm_head.weight"] = ref["embed_tokens.weight"]  # tied: the LM head GEMV reads the embeddings
+            quantized.add("lm_head.weight")
+        ref.update({k: ActivationQuantized(ref[k]) for k in quantized})
+    return weights, ref
 
 
 @pytest.fixture(scope="module")
