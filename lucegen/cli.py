@@ -79,7 +79,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         gemv.run(rec, tune=args.tune)
     elif args.suite == "prefill":
         from .bench import prefill
-        prefill.run(rec)
+        prefill.run(rec, models=(args.model,) if args.model else prefill.MODELS,
+                    lengths=tuple(args.lengths) if args.lengths else prefill.LENGTHS)
     elif args.suite == "qgemv":
         from .bench import qgemv
         qgemv.run(rec)
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--set", choices=["humaneval", "gsm8k", "math500"], default=None, help="prompts: the set")
     g.add_argument("--mode", choices=["ar", "chain", "ddtree"], default="ar", help="prompts: decoding mode")
     g.add_argument("--limit", type=int, default=None, help="prompts: the first N prompts of the set only")
+    bench.add_argument("--lengths", type=int, nargs="+", default=None, help="prefill: prompt lengths (default 520 "
+                                                                            "4096 32768); --model: one model")
     bench.set_defaults(fn=cmd_bench)
     register_run_serve(sub)  # run, serve
     register_plan(sub)  # plan
