@@ -68,6 +68,9 @@ class HFDecoder:
             from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
         except ImportError:
             return None
+        except Exception as e:  # seen on the lab image: torch's own import failing inside some processes
+            print(f"HF peer skipped: importing torch failed ({type(e).__name__}: {e})")
+            return None
         fla = " + fla" if importlib.util.find_spec("fla") else ""
         text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
         with torch.device("cuda"):
