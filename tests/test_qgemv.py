@@ -310,13 +310,17 @@ def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt
 
 
 def draw_x(m: int, k: int, seed: int) -> np.ndarray:
-    """Activations: normal values of a random magnitude, some 32-value blocks all zero, some with one outlier."""
+    """Activations: normal values of a random magnitude, some 32-value blocks all zero, some with one outlier (K need
+    not be a multiple of 32: the bf16 format takes any K; the tail past the last whole block stays normal)."""
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((m, k), dtype=np.float32) * np.float32(10 ** rng.uniform(-3, 3))).reshape(m, -1, 32)
-    x[rng.random(x.shape[:2]) < 0.1] = 0
-    outlier = rng.random(x.shape[:2]) < 0.1
-    x[outlier, rng.integers(0, 32)] *= 50
-    return x.reshape(m, k)
+    x = rng.standard_normal((m, k), dtype=np.float32) * np.float32(10 ** rng.uniform(-3, 3))
+    whole = k // 32 * 32
+    blocks = x[:, :whole].reshape(m, -1, 32)  # a copy where k is not a multiple of 32: written back below
+    blocks[rng.random(blocks.shape[:2]) < 0.1] = 0
+    outlier = rng.random(blocks.shape[:2]) < 0.1
+    blocks[outlier, rng.integers(0, 32)] *= 50
+    x[:, :whole] = blocks.reshape(m, whole)
+    return x
 
 
 @settings(max_examples=40, deadline=None)

@@ -17,10 +17,16 @@ import time
 from typing import Callable
 
 from ..runtime import Stream
+from ..runtime.driver import call
 from .decode import HF_TOKENS, TG, HFDecoder, Setup
 from .results import Recorder
 
 ENERGY_SECONDS = 6.0
+
+
+def pci_bus_id(ordinal: int = 0) -> str:
+    """The PCI bus id ("0000:1b:00.0") of CUDA device `ordinal` as this process sees it."""
+    return call("cuDeviceGetPCIBusId", 32, call("cuDeviceGet", ordinal)).split(b"\0")[0].decode()
 
 
 def measure(seconds: float, run: Callable[[], None]) -> tuple[float, int, float, float]:
@@ -29,7 +35,9 @@ def measure(seconds: float, run: Callable[[], None]) -> tuple[float, int, float,
     import pynvml
     pynvml.nvmlInit()
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        # the GPU the runtime uses, by its PCI bus id: NVML numbers every GPU of the machine, whatever
+        # CUDA_VISIBLE_DEVICES hides from CUDA
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id())
         run()  # warm
         e0, t0, n = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
