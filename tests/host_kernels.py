@@ -55,6 +55,10 @@ class HostArray(DeviceArray):
         assert host.dtype == self.dtype and host.size == self.size
         self.a[...] = host.reshape(self.shape)
 
+    def copy_to(self, other):
+        assert other.nbytes == self.nbytes
+        other.buf[other.offset:other.offset + other.nbytes] = self.buf[self.offset:self.offset + self.nbytes]
+
     def numpy(self):
         return self.a.copy()
 

@@ -1,5 +1,6 @@
-"""Speculative decoding through `lucegen run --draft` and `lucegen serve --draft` on the numpy backend: a tiny
-target and a tiny random DFlash draft give the same greedy text (and the same seeded samples) as no draft."""
+"""Speculative decoding through `lucegen run --draft` and `lucegen serve --draft`, on the numpy backend and (where
+there is a GPU) the cuda backend: a tiny target and a tiny random DFlash draft give the same greedy text (and the
+same seeded samples) as no draft, and an always-right draft commits several tokens a round."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -36,22 +37,27 @@ def draft(tmp_path_factory):
     return write_draft(tmp_path_factory.mktemp("draft"), DRAFT, random_draft_weights(DRAFT, seed=3))
 
 
+@pytest.fixture(params=["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request) -> str:
+    return request.param
+
+
 def run(capsys, *argv: str) -> tuple[str, str]:
     assert main(["run", "--prompt", "Tell me a story", "--max-tokens", "12", "--ignore-eos", *argv]) == 0
     return capsys.readouterr()
 
 
 @pytest.mark.parametrize("options", [[], ["--budget", "3"], ["--chain"]])
-def test_run_with_a_draft_prints_the_same_greedy_text(checkpoint, draft, capsys, options):
-    plain, _ = run(capsys, "--model", str(checkpoint))
-    out, err = run(capsys, "--model", str(checkpoint), "--draft", str(draft), *options)
+def test_run_with_a_draft_prints_the_same_greedy_text(checkpoint, draft, capsys, options, backend):
+    plain, _ = run(capsys, "--model", str(checkpoint), "--backend", backend)
+    out, err = run(capsys, "--model", str(checkpoint), "--backend", backend, "--draft", str(draft), *options)
     assert out == plain and "output: 12 tokens" in err and "tokens per target pass" in err
 
 
-def test_seeded_sampling_with_a_draft_draws_the_same_tokens(checkpoint, draft):
+def test_seeded_sampling_with_a_draft_draws_the_same_tokens(checkpoint, draft, backend):
     """The walk draws the target's token once per emitted token, from the same logits, with the same generator."""
-    engine, tokenizer = load_model(checkpoint)
-    spec_engine, _ = load_model(checkpoint, draft=draft, budget=6)
+    engine, tokenizer = load_model(checkpoint, backend)
+    spec_engine, _ = load_model(checkpoint, backend, draft=draft, budget=6)
     ids = tokenizer.encode("Once upon")
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     want = generate(engine, tokenizer, ids, 14, sampling, ignore_eos=True)
@@ -60,9 +66,9 @@ def test_seeded_sampling_with_a_draft_draws_the_same_tokens(checkpoint, draft):
     assert want.target_passes == 13 and 1 <= got.target_passes <= 13
 
 
-def test_accepted_rounds_feed_the_same_loop(checkpoint):
+def test_accepted_rounds_feed_the_same_loop(checkpoint, backend):
     """A draft that is always right (the oracle): several tokens per target pass, the same text, the same stops."""
-    engine, tokenizer = load_model(checkpoint)
+    engine, tokenizer = load_model(checkpoint, backend)
     ids, greedy = tokenizer.encode("Tell me a story"), SamplingParams(temperature=0)
     want = generate(engine, tokenizer, ids, 14, greedy, ignore_eos=True)
     engine.speculation = Speculation(oracle_draft(want.token_ids, len(ids), TARGET.vocab_size), depth=3, budget=4)
@@ -74,11 +80,11 @@ def test_accepted_rounds_feed_the_same_loop(checkpoint):
     assert (cut.text, cut.finish_reason) == (want.text[:want.text.find(stop)], "stop")
 
 
-def test_server_with_a_draft_answers_as_without(checkpoint, draft):
+def test_server_with_a_draft_answers_as_without(checkpoint, draft, backend):
     messages = [{"role": "user", "content": "Hello there!"}]
     answers = []
     for options in ({}, {"draft": draft}):
-        engine, tokenizer = load_model(checkpoint, **options)
+        engine, tokenizer = load_model(checkpoint, backend, **options)
         with running(create_app(engine, tokenizer, "tiny")) as port:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
                                    timeout=60)
@@ -126,7 +132,5 @@ def test_bad_drafts_are_clear_errors(checkpoint, draft, tmp_path, capsys, case, 
 def test_draft_option_errors(checkpoint, draft, tmp_path):
     with pytest.raises(ValueError, match="expected a DFlash draft directory"):
         load_model(checkpoint, draft=tmp_path / "nowhere")
-    with pytest.raises(LoadError, match="--draft is not available on the cuda backend yet"):
-        load_model(checkpoint, "cuda", draft=draft)
     with pytest.raises(LoadError, match="--budget 0: must be at least 1"):
         load_model(checkpoint, draft=draft, budget=0)

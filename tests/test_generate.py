@@ -118,8 +118,6 @@ def test_loader_errors(checkpoint):
             load_model(checkpoint, "cuda")
     with pytest.raises(LoadError, match="unknown backend 'tpu'"):
         load_model(checkpoint, "tpu")
-    with pytest.raises(LoadError, match="--draft is not available on the cuda backend yet"):
-        load_model(checkpoint, "cuda", draft="some-draft")
     with pytest.raises(ValueError, match="some-draft: expected a DFlash draft directory"):
         load_model(checkpoint, draft="some-draft")
 

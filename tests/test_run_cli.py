@@ -70,7 +70,6 @@ def test_run_streams(checkpoint):
     (["--max-tokens", "5000"], "max_tokens can be at most"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--draft", "d"], "d: expected a DFlash draft directory"),
-    (["--backend", "cuda", "--draft", "d"], "--draft is not available on the cuda backend yet"),
 ])
 def test_run_errors(checkpoint, capsys, args, message):
     assert main(["run", "--model", str(checkpoint), "--prompt", "hi", *args]) == 2

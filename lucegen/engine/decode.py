@@ -16,6 +16,7 @@ from ..model.config import ModelConfig
 from ..runtime import DeviceArray, Stream
 from ..spec import ChipSpec, spec_for_current_device
 from .base import ContextOverflow
+from .speculating import Speculating
 from .state import DeviceState
 
 
@@ -24,7 +25,7 @@ class Steps(NamedTuple):
     logits: np.ndarray | None   # float32 [steps done, vocab] when asked for
 
 
-class DecodeEngine:
+class DecodeEngine(Speculating):
     """One sequence through the decode megakernel. `weights`: reference-style (HF names, any float dtype), or None
     for pseudo-random weights of the real shapes filled on the device (benchmarks)."""
 
@@ -123,6 +124,7 @@ class DecodeEngine:
         return a
 
     def free(self) -> None:
+        self.free_speculation()
         self.kernel.free()
         self.state.free()
         for a in (self.table, self.n_done, *self._buffers.values()):

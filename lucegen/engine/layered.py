@@ -33,6 +33,7 @@ from ..runtime import DeviceArray, Graph, Stream
 from ..spec import ChipSpec, spec_for_current_device
 from .base import ContextOverflow
 from .layered_weights import GGUFSource, LayeredWeights, Projection, Source
+from .speculating import Speculating
 from .state import DeviceState
 
 
@@ -194,7 +195,7 @@ def weight_source(weights: Mapping[str, np.ndarray] | Source, config: ModelConfi
     return GGUFSource(weights) if isinstance(weights, GGUFCheckpoint) else Source(weights, config)
 
 
-class LayeredEngine:
+class LayeredEngine(Speculating):
     """One sequence through the layer-by-layer step (the Engine interface): prompts in chunks of up to
     `chunk` tokens, then one step per generated token."""
 
@@ -240,6 +241,7 @@ class LayeredEngine:
         return self.run([token])[0][0]
 
     def free(self) -> None:
+        self.free_speculation()
         self.step.free()
         self.state.free()
         self.weights.free()

@@ -4,12 +4,17 @@ Backends are registered by name in BACKENDS: a function (weights, max_context, s
 is the lazily read checkpoint (lucegen.model.weights.LazyWeights, with .config; a GGUF one also has .raw() for the
 quantized bytes) and `spec` the chip spec name or path given with --spec (None when not given). None marks a
 backend that is planned but not written yet. The cuda backend runs the decode megakernel where it holds the model
-(bf16) and the layer-by-layer step (engine/layered.py) otherwise, e.g. for a GGUF file. A DFlash draft (--draft) runs on the numpy backend only, for now.
+(bf16) and the layer-by-layer step (engine/layered.py) otherwise, e.g. for a GGUF file. A DFlash draft (--draft)
+runs on the numpy reference on either backend, reading the target's features from a numpy forward of the context
+(a host copy of the target's weights on the cuda backend); the cuda backend verifies its trees node by node
+through its own decode step (lucegen/spec_decode/device.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from ..model.draft import load_draft
 from ..model.tokenizer import Tokenizer
@@ -84,8 +89,6 @@ def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | 
     if BACKENDS[backend] is None:
         available = ", ".join(name for name, make in BACKENDS.items() if make)
         raise LoadError(f"the {backend} backend is not available yet (available: {available})")
-    if draft is not None and backend != "numpy":
-        raise LoadError(f"--draft is not available on the {backend} backend yet")
     if budget is not None and budget < 1:
         raise LoadError(f"--budget {budget}: must be at least 1")
     weights = open_weights(model)
@@ -96,7 +99,9 @@ def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | 
         from ..spec_decode.decode import Speculation
         draft_cfg, draft_weights = load_draft(draft, weights.config)
         budget = budget or (load_spec(spec).tuning.ddtree.budget if spec else DDTreeTuning.budget)
-        engine.speculation = Speculation(dflash_draft_fn(draft_weights, engine.weights, draft_cfg, weights.config),
+        target = engine.weights if backend == "numpy" else {
+            name: np.asarray(w, np.float32) for name, w in weights.load_all(progress=False).items()}
+        engine.speculation = Speculation(dflash_draft_fn(draft_weights, target, draft_cfg, weights.config),
                                          draft_cfg.block_size - 1, budget, chain)
     return engine, Tokenizer.from_dir(folder)
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..reference.model import State, decode_step, prefill
-from ..spec_decode.decode import Speculation, speculative_round
+from ..spec_decode.decode import ReferenceVerifier, Speculation
 from .base import ContextOverflow
 from .sampling import Sampler
 
@@ -51,9 +51,8 @@ class NumpyEngine:
     def speculate(self, context_ids: Sequence[int], max_new: int, sampler: Sampler) -> list[int]:
         """One speculative round (one target pass) after context_ids, the sequence so far whose last token is not
         in the state yet: 1 to max_new new tokens, the accepted draft tokens then the target's bonus token."""
-        s = self.speculation
-        n = min(s.depth, max_new - 1)  # the pass runs and commits at most n + 1 tokens, the root included
-        self._check(n + 1)
-        self._state, new = speculative_round(self.weights, self.config, self._state, context_ids, n, s.draft_fn,
-                                             s.budget, sampler, s.chain)
+        self._check(self.speculation.tokens_per_round(max_new))
+        verifier = ReferenceVerifier(self.weights, self.config, self._state)
+        new = self.speculation.round(verifier, context_ids, max_new, sampler)
+        self._state = verifier.state
         return new

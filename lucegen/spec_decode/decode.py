@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -30,16 +31,49 @@ class Speculation:
     budget: int
     chain: bool = False
 
+    def tokens_per_round(self, max_new: int) -> int:
+        """Tokens a round may commit when at most max_new are wanted: the root and up to depth drafted ones."""
+        return min(self.depth, max_new - 1) + 1
 
-def speculative_round(weights: Weights, cfg: ModelConfig, state: State, context_ids: Sequence[int], n: int,
-                      draft_fn: DraftFn, budget: int, sampler: Sampler, chain: bool = False) -> tuple[State, list[int]]:
-    """One round after context_ids, whose last token (the root) is not in state yet: draft n positions, one target
-    pass over the tree, the walk. Returns the state with the accepted path committed and the new tokens (the
-    accepted draft tokens, then the bonus token, the next root)."""
+    def round(self, verifier: "Verifier", context_ids: Sequence[int], max_new: int, sampler: Sampler) -> list[int]:
+        """One round (speculative_round) emitting 1 .. max_new tokens."""
+        return speculative_round(verifier, context_ids, self.tokens_per_round(max_new) - 1, self.draft_fn,
+                                 self.budget, sampler, self.chain)
+
+
+class Verifier(Protocol):
+    """One target pass over a tree after a committed state, then the commit of an accepted path (root first).
+    ReferenceVerifier (numpy) and lucegen.spec_decode.device.NodeVerifier (a GPU engine) implement it."""
+
+    def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
+
+    def commit(self, path: Sequence[int]) -> None: ...
+
+
+class ReferenceVerifier:
+    """tree_forward on the numpy reference; .state is the committed state (a new State after each commit)."""
+
+    def __init__(self, weights: Weights, cfg: ModelConfig, state: State):
+        self.weights, self.cfg, self.state, self.nodes = weights, cfg, state, []
+
+    def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        logits, self.nodes = tree_forward(self.weights, self.cfg, self.state, tokens, parents)
+        return logits
+
+    def commit(self, path: Sequence[int]) -> None:
+        self.state = commit(self.state, self.nodes, path)
+
+
+def speculative_round(verifier: Verifier, context_ids: Sequence[int], n: int, draft_fn: DraftFn, budget: int,
+                      sampler: Sampler, chain: bool = False) -> list[int]:
+    """One round after context_ids, whose last token (the root) is not in the verifier's state yet: draft n
+    positions, one target pass over the tree, the walk, the commit of the accepted path. Returns the new tokens
+    (the accepted draft tokens, then the bonus token, the next root)."""
     tree = build_tree(draft_fn(context_ids, n), budget, root=context_ids[-1], top_k=1 if chain else None)
-    logits, nodes = tree_forward(weights, cfg, state, tree.tokens, tree.parents)
+    logits = verifier.forward(tree.tokens, tree.parents)
     accepted, bonus = walk(tree, logits, sampler)
-    return commit(state, nodes, accepted), [tree.tokens[a] for a in accepted[1:]] + [bonus]
+    verifier.commit(accepted)
+    return [tree.tokens[a] for a in accepted[1:]] + [bonus]
 
 
 def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -49,11 +83,11 @@ def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequenc
     (temperature 0) or a draw from the same distribution as plain sampling. depth: draft positions per round
     (DFlash: block size - 1); chain: verify the draft's top-1 chain (at most budget long) instead of a tree."""
     sampler = Sampler(sampling)
-    state = State()
-    out = [sampler(prefill(weights, cfg, prompt_ids, state)[-1])]
+    verifier = ReferenceVerifier(weights, cfg, State())
+    out = [sampler(prefill(weights, cfg, prompt_ids, verifier.state)[-1])]
     while out[-1] != eos_token_id and len(out) < max_new_tokens:
         n = min(depth, max_new_tokens - len(out) - 1)  # a round emits at most n + 1 tokens
-        state, new = speculative_round(weights, cfg, state, [*prompt_ids, *out], n, draft_fn, budget, sampler, chain)
+        new = speculative_round(verifier, [*prompt_ids, *out], n, draft_fn, budget, sampler, chain)
         if eos_token_id in new:
             new = new[:new.index(eos_token_id) + 1]
         out += new

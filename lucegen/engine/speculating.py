@@ -1,0 +1,32 @@
+"""speculate() for the GPU engines: speculative rounds whose tree is verified node by node through the engine's own
+decode step (lucegen.spec_decode.device.NodeVerifier), so the output equals plain decoding's token for token."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import ContextOverflow
+from .sampling import Sampler
+
+
+class Speculating:
+    """Mixed into an engine with .state (DeviceState), .position, .max_context and decode(token). With
+    `speculation` set (lucegen.spec_decode.decode.Speculation), generate() runs speculate() rounds."""
+    speculation = None
+    _verifier = None
+
+    def speculate(self, context_ids: Sequence[int], max_new: int, sampler: Sampler) -> list[int]:
+        """One speculative round after context_ids (whose last token is not in the state yet): 1 to max_new new
+        tokens, the accepted draft tokens then the target's bonus token."""
+        n = self.speculation.tokens_per_round(max_new)
+        if self.position + n > self.max_context:
+            raise ContextOverflow(f"{self.position} tokens in the state + {n} new ones exceed the context of "
+                                  f"{self.max_context} tokens")
+        if self._verifier is None:
+            from ..spec_decode.device import NodeVerifier  # here: spec_decode imports the engine's sampler
+            self._verifier = NodeVerifier(self)
+        return self.speculation.round(self._verifier, context_ids, max_new, sampler)
+
+    def free_speculation(self) -> None:
+        if self._verifier is not None:
+            self._verifier.free()
+            self._verifier = None
