@@ -46,7 +46,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
                                                                  "model's max_position_embeddings)")
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model's folder)")
     p.add_argument("--spec", default=None, help="chip spec of the cuda backend (specs/<chip>.yaml or a name)")
-    p.add_argument("--draft", default=None, help="DFlash draft folder for speculative decoding (numpy backend)")
+    p.add_argument("--draft", default=None, help="DFlash draft folder for speculative decoding")
     p.add_argument("--budget", type=int, default=None, help="with --draft: draft tree nodes per target pass "
                                                              "(default: the spec's DDTree budget, else 22)")
     p.add_argument("--chain", action="store_true", help="with --draft: verify the draft's top-1 chain, not a tree")
