@@ -1,6 +1,6 @@
 // layered.cuh: the small per-token-row kernels of the layer-by-layer step (lucegen/engine/layered.py) between its
-// quantized projections (qgemv.cuh) and its mixers (the decode megakernel's deltanet_item / attention_item, one
-// launch per token). Rows are fp32; one block per token row.
+// quantized projections (qgemv.cuh) and its mixers (the tree kernels, tree.cuh). Rows are fp32; one block per
+// token row.
 #pragma once
 #include "mk_attention.cuh"
 #include "norm.cuh"

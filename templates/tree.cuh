@@ -31,6 +31,9 @@ __device__ __forceinline__ int step_node(int code) { return code & 0xffff; }
 __device__ __forceinline__ int step_restore(int code) { return (code >> 16 & 0xff) - 1; }
 __device__ __forceinline__ int step_save(int code) { return (code >> 24 & 0x7f) - 1; }
 
+// The committed position of a launch: start, plus io[0] where the position lives on the device (io non-null).
+__device__ __forceinline__ int tree_start(const int* io, int start) { return io ? io[0] + start : start; }
+
 struct TreeDeltaNet {
     const float* mixed;     // [N][stride] the nodes' in-projections: [q | k | v (conv channels) | z | b | a]
     int stride;

@@ -1,5 +1,6 @@
-"""The layer-by-layer step's host side (no GPU): its kernel units render and compile for every spec on the 27B and
-on a scaled-down config with the 27B's head ratios, the value-head reordering of an HF checkpoint's small tensors
+"""The layer-by-layer step's host side (no GPU): its kernel units (row kernels, tree kernels in both value-head
+orders, quantized projections) render and compile for every spec on the 27B and on a scaled-down config with the
+27B's head ratios, the value-head reordering of an HF checkpoint's small tensors
 matches llama.cpp's (gguf_file.convert), fused projections, random quantized rows, and a GGUF file read as stored."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from lucegen.codegen.build import build
 from lucegen.engine.layered_weights import GGUFSource, Source, fuse, random_rows, tiled
-from lucegen.kernels import layered, qgemv
+from lucegen.kernels import layered, qgemv, tree
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import load_config, tiny_config
 from lucegen.model.gguf_file import convert, gguf_name, load_gguf
@@ -25,24 +26,19 @@ RATIO3_Q = tiny_config(name="ratio3q", hidden_size=256, num_hidden_layers=8, int
 @pytest.mark.parametrize("spec_name", list_specs())
 @pytest.mark.parametrize("model", ["qwen3.5-27b", "ratio3q"])
 def test_the_step_kernels_compile_for_every_spec(tmp_path, spec_name, model):
-    """The layered units (a GGUF's Q4_K embedding with tiled heads, an HF checkpoint's bf16 one) and the qgemv
-    units of the model's Q4_K_M mix."""
+    """The layered units (a GGUF's Q4_K embedding, an HF checkpoint's bf16 one), the mixers (the tree kernels in
+    llama.cpp's tiled value-head order and HF's grouped one) and the qgemv units of the model's Q4_K_M mix."""
     spec = load_spec(spec_name)
     cfg = load_config(model) if model != "ratio3q" else RATIO3_Q
-    units = [*layered.units(spec, cfg, [("q4_k", True), ("bf16", False)]),
-             *qgemv.units(spec, cfg, qgemv.mix_pairs(cfg))]
-    assert len(units) >= 3, layered.shape_problem(spec, cfg)
+    assert layered.shape_problem(spec, cfg) is None and tree.shape_problem(cfg, spec) is None
+    mixers = tree.units(spec, cfg)
+    assert [(u.name, u.params["tiled"]) for u in mixers] == [("tree", False), ("tree_tiled", True)]
+    units = [*layered.units(spec, cfg, ["q4_k", "bf16"]), *mixers, *qgemv.units(spec, cfg, qgemv.mix_pairs(cfg))]
     result = build(spec, cfg, units, root=tmp_path)
     assert {k.name for k in result.kernels} == {k.name for u in units for k in u.kernels}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
         assert k.coresident_blocks >= 1, f"{k.name} cannot run on {spec_name}"
-
-
-def test_the_mixers_launch_shape_covers_the_27b():
-    s = layered.Shape(load_spec("h200"), load_config("qwen3.5-27b"))
-    assert s.dn_items == 48 * (128 // s.dn_slice) and s.dn_items >= 132
-    assert s.max_chunks * 4 <= s.att_blocks
 
 
 @settings(max_examples=10, deadline=None)

@@ -190,10 +190,13 @@ def test_commit_references_are_sequential_decoding(model, parents, n_prompt, see
 
 # ---- the unit ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec_name", list_specs())
-@pytest.mark.parametrize("model", ["tiny", "qwen3.5-0.8b", "qwen3.5-27b"])
-def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, model):
+@pytest.mark.parametrize("model,tiled", [("tiny", False), ("qwen3.5-0.8b", False), ("qwen3.5-0.8b", True),
+                                         ("qwen3.5-27b", True)])
+def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, model, tiled):
+    """HF's grouped value-head order and llama.cpp's tiled one (a GGUF checkpoint, the layer-by-layer step's)."""
     spec, cfg = load_spec(spec_name), CFG if model == "tiny" else load_config(model)
-    (unit,) = tree.units(spec, cfg)
+    (unit,) = tree.units(spec, cfg, [tiled])
+    assert unit.name == ("tree_tiled" if tiled else "tree") and unit.params["tiled"] is tiled
     kernels = build(spec, cfg, [unit], root=tmp_path).kernels
     assert [k.name for k in kernels] == ["tree_deltanet", "tree_attention_kv", "tree_attention", "tree_kv_commit"]
     for k in kernels:
@@ -203,7 +206,7 @@ def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, model):
 
 def test_lucegen_build_includes_it_and_a_model_it_cannot_take_says_why():
     spec = load_spec("h200")
-    assert "tree" in [u.name for u in all_units(spec, load_config("qwen3.5-0.8b"))]
+    assert {"tree", "tree_tiled"} <= {u.name for u in all_units(spec, load_config("qwen3.5-0.8b"))}
     wide = tiny_config(num_attention_heads=32, num_key_value_heads=2)  # 16 query heads per kv head: 18 warps
     assert tree.units(spec, wide) == []
     assert "18 warps" in tree.shape_problem(wide, spec)

@@ -47,11 +47,11 @@ def run(recorder: Recorder | None = None) -> None:
     rng = np.random.default_rng(0)
     for name in MODELS:
         cfg = load_config(name)
-        units = tree.units(spec, cfg)
+        units = tree.units(spec, cfg, [False])
         if not units:
             print(f"{name}: skipped ({tree.shape_problem(cfg, spec)})")
             continue
-        k = tree.TreeKernels(build(spec, cfg, units).module("tree"), cfg, spec)
+        k = tree.TreeKernels(build(spec, cfg, units).module(tree.unit_name(False)), cfg, spec)
         K, C, Hv = cfg.linear_conv_kernel_dim, cfg.conv_dim, cfg.linear_num_value_heads
         n_max = k.max_nodes
         rows_dn, rows_att = C + cfg.value_dim + 2 * Hv, cfg.q_proj_rows + 2 * cfg.kv_dim

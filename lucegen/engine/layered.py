@@ -12,11 +12,13 @@ One step over m tokens at positions p .. p+m-1 (rows fp32, [m, width]):
       MLP:      h = rmsnorm(x += y) -> gu = h [gate | up]^T -> act = silu(gate) up -> y = act down^T
     h = rmsnorm(x += y) with the final norm; logits = h lm_head^T; tokens = argmax per row
 Projections are qgemv.QMatmul (the GEMV for m = 1, the small-M GEMM otherwise; a GEMM row is bit for bit the GEMV
-of that row). The mixer is its own small part (DecodeMixer): token by token through the decode megakernel's
-device functions, so an M-token step is M decode steps' arithmetic exactly, as speculative verification needs.
+of that row). The mixers are the tree kernels (lucegen/kernels/tree.py), driven by a mixer object: DecodeMixer runs
+the m tokens one by one as 1-node trees (the decode step), so an M-token step is M decode steps' arithmetic exactly;
+a tree verify (lucegen/engine/layered_verify.py) runs the same layers over the N nodes of a draft tree at once
+through the same kernels, so each node's logits are its decode step's.
 
-The step reads its position and token ids from the device (io = [position, ids...]) and is captured once per m in
-a CUDA graph: a step is one graph launch, with no host round trip inside it.
+The step reads its position and token ids from the device (io = [position, ids...]) and is captured once per m
+(per tree shape for a verify) in a CUDA graph: a step is one graph launch, with no host round trip inside it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
-from ..kernels import argmax, layered, qgemv
+from ..kernels import argmax, layered, qgemv, tree
 from ..model.config import LINEAR, ModelConfig
 from ..model.gguf_file import GGUFCheckpoint
 from ..runtime import DeviceArray, Graph, Stream
@@ -38,44 +40,65 @@ from .state import DeviceState
 
 
 def units(spec: ChipSpec, cfg: ModelConfig, weights: LayeredWeights):
-    """Every kernel a step over `weights` launches on `spec`."""
-    return [*layered.units(spec, cfg, [(weights.embed.parts[0].fmt, weights.tiled)]),
+    """Every kernel a step over `weights` launches on `spec` (the tree kernels in the weights' value-head order)."""
+    return [*layered.units(spec, cfg, [weights.embed.parts[0].fmt]), *tree.units(spec, cfg, [weights.tiled]),
             *qgemv.units(spec, cfg, weights.pairs()), *argmax.units(spec, cfg)]
 
 
+def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
+    """Rows first .. first + m - 1 of a row-major fp32 buffer of rows `width` wide, as [m, width]."""
+    return a.view((m, width), offset_bytes=4 * first * width)
+
+
 class DecodeMixer:
-    """The token mixers of the step: one launch per token of the decode megakernel's DeltaNet / attention item,
-    each token after the previous one (its state updates and K/V rows in place)."""
+    """The mixers of a step over m consecutive tokens: one 1-node tree (the decode step) per token, each after the
+    previous one (its DeltaNet state, conv ring and K/V row updated in place, at position io[0] + t)."""
+    advances = True  # the step leaves io at the next position (launch_greedy continues from there)
 
-    def __init__(self, kernels: layered.LayerKernels):
-        self.k = kernels
+    def __init__(self, step: "LayeredStep"):
+        self.step = step
 
-    def linear(self, L: Mapping, state: DeviceState, i: int, mixed, out, io, m: int, stream) -> None:
+    def in_rows(self, i: int) -> DeviceArray:
+        """Where linear layer i's in-projection rows go (the step's scratch: nothing reads them after the layer)."""
+        return self.step.proj
+
+    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream) -> None:
+        s, c = self.step, self.step.cfg
         for t in range(m):
-            self.k.deltanet(mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], state.recurrent[i], out, io,
-                            t, stream=stream)
+            s.tree.decode_deltanet(rows(mixed, 1, L["lin_in"].n, t), L["conv"], L["a_log"], L["dt_bias"],
+                                   s.state.conv[i], s.state.recurrent[i], rows(out, 1, c.value_dim, t), t, s.io,
+                                   stream=stream)
 
-    def full(self, L: Mapping, state: DeviceState, i: int, qkv, out, io, m: int, stream) -> None:
+    def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
+        s, c = self.step, self.step.cfg
         for t in range(m):
-            self.k.attention(qkv, L["q_norm"], L["k_norm"], state.keys[i], state.values[i], out, io, t,
-                             stream=stream)
+            s.tree.decode_attention(rows(qkv, 1, L["att_in"].n, t), L["q_norm"], L["k_norm"], s.state.keys[i],
+                                    s.state.values[i], rows(out, 1, c.num_attention_heads * c.head_dim, t), t,
+                                    s.io, stream=stream)
 
 
 class LayeredStep:
     """step(ids) over a DeviceState: logits [m, vocab] and tokens [m] (argmax) on the device, for up to
-    `max_tokens` tokens a step."""
+    `max_tokens` tokens a step; its buffers also hold a tree verify's rows (the spec's DDTree budget + the root)."""
 
     def __init__(self, spec: ChipSpec, weights: LayeredWeights, state: DeviceState, max_tokens: int = 16,
                  root: Path = BUILD_DIR):
         cfg = self.cfg = weights.cfg
-        if problem := layered.shape_problem(spec, cfg):
+        if problem := layered.shape_problem(spec, cfg) or tree.shape_problem(cfg, spec):
             raise ValueError(problem)
+        if not cfg.linear_layers or not cfg.full_layers:
+            raise ValueError(f"{cfg.name}: the layer-by-layer step takes models with both DeltaNet and attention "
+                             f"layers")
         self.spec, self.weights, self.state, self.max_tokens = spec, weights, state, max_tokens
+        self.rows = max(max_tokens, spec.tuning.ddtree.budget + 1)
+        if self.rows > qgemv.VERIFY_ROWS:
+            raise ValueError(f"a step of {self.rows} rows; the projections reserve activations for at most "
+                             f"{qgemv.VERIFY_ROWS} (qgemv.VERIFY_ROWS)")
         result = build(spec, cfg, units(spec, cfg, weights), root=root)
         mod = lambda name: result.module(name)
-        self.kernels = layered.LayerKernels(mod(layered.unit_name(weights.embed.parts[0].fmt, weights.tiled)), spec,
-                                            cfg)
-        self.mixer = DecodeMixer(self.kernels)
+        self.kernels = layered.LayerKernels(mod(layered.unit_name(weights.embed.parts[0].fmt)), spec, cfg)
+        self.tree = tree.TreeKernels(mod(tree.unit_name(weights.tiled)), cfg, spec)
+        self.mixer = DecodeMixer(self)
         qmods = {}
         self.mm = {}
         for fmt, k in weights.pairs():
@@ -83,8 +106,8 @@ class LayeredStep:
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
         self.argmax = argmax.Argmax(mod("argmax"), spec)
         self.stream = Stream()
-        self.graphs: dict[int, Graph] = {}
-        self._allocate(max_tokens)
+        self.graphs: dict[tuple, Graph] = {}
+        self._allocate(self.rows)
 
     def _allocate(self, n: int) -> None:
         c, W = self.cfg, self.weights
@@ -113,21 +136,24 @@ class LayeredStep:
                 op(part.w, x, self.part, part.n, m, stream=stream)
                 self.kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
 
-    def enqueue(self, m: int, stream) -> None:
-        """Every launch of a step over the m tokens of io (position and ids already on the device)."""
-        c, W, k, st = self.cfg, self.weights, self.kernels, self.state
+    def enqueue(self, m: int, stream, mixer=None) -> None:
+        """Every launch of a step over the m tokens of io (position and ids already on the device); the mixers
+        are `mixer`'s (by default the decode step's)."""
+        c, W, k = self.cfg, self.weights, self.kernels
+        mixer = mixer or self.mixer
         k.embed(W.embed.parts[0].w, self.io, self.x, m, stream=stream)
         for i, kind in enumerate(c.layer_types):
             L = W.layers[i]
             k.add_rmsnorm(self.x, None if i == 0 else self.y, L["ln1"], self.h, m, stream=stream)
             if kind == LINEAR:
-                self.project(L["lin_in"], self.h, self.proj, m, stream)
-                self.mixer.linear(L, st, i, self.proj, self.mix_out, self.io, m, stream)
-                k.deltanet_norm(self.mix_out, self.proj, L["norm"], self.normed, m, stream=stream)
+                mixed = mixer.in_rows(i)
+                self.project(L["lin_in"], self.h, mixed, m, stream)
+                mixer.linear(L, i, mixed, self.mix_out, m, stream)
+                k.deltanet_norm(self.mix_out, mixed, L["norm"], self.normed, m, stream=stream)
                 self.project(L["lin_out"], self.normed, self.y, m, stream)
             else:
                 self.project(L["att_in"], self.h, self.proj, m, stream)
-                self.mixer.full(L, st, i, self.proj, self.mix_out, self.io, m, stream)
+                mixer.full(L, i, self.proj, self.mix_out, m, stream)
                 self.project(L["att_out"], self.mix_out, self.y, m, stream)
             k.add_rmsnorm(self.x, self.y, L["ln2"], self.h, m, stream=stream)
             self.project(L["gate_up"], self.h, self.proj, m, stream)
@@ -139,24 +165,42 @@ class LayeredStep:
         for t in range(m):
             self.argmax(self.logits.view(V, offset_bytes=4 * t * V), self.tokens.view(1, offset_bytes=4 * t),
                         stream=stream)
-        k.advance(self.io, self.tokens, m, stream=stream)
+        if mixer.advances:
+            k.advance(self.io, self.tokens, m, stream=stream)
+
+    def check_ids(self, ids: Sequence[int], most: int, what: str) -> np.ndarray:
+        """ids as int32 after checking their count (1 .. most) and values; a clear error otherwise."""
+        m = len(ids)
+        if not 1 <= m <= most:
+            raise ValueError(f"{what} takes 1 .. {most} tokens; got {m}")
+        ids = np.asarray(ids, np.int64)
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0 .. {self.cfg.vocab_size - 1}")
+        return ids.astype(np.int32)
+
+    def upload(self, ids: np.ndarray) -> None:
+        """io = [the state's position, ids...] (on the stream, before the launches that read it)."""
+        self._io_host = np.concatenate([[self.state.position], ids]).astype(np.int32)  # alive until the copy ran
+        self.io.view(1 + len(ids)).copy_from(self._io_host, stream=self.stream)
+
+    def replay(self, key: tuple, enqueue) -> None:
+        """Launch the graph of `key`, captured from enqueue(stream) on first use."""
+        if key not in self.graphs:
+            with Graph.capture(self.stream) as g:
+                enqueue(self.stream)
+            self.graphs[key] = g
+        self.graphs[key].launch(self.stream)
 
     def launch(self, ids: Sequence[int]) -> None:
         """Start a step over `ids` at the state's position (one graph launch, captured on first use of this m);
         advances the position. Outputs: logits[:m], tokens[:m] once the stream is done (wait()); io then holds the
         next position and tokens[m - 1] (launch_greedy continues from there)."""
-        m = len(ids)
-        if not 1 <= m <= self.max_tokens:
-            raise ValueError(f"a step takes 1 .. {self.max_tokens} tokens; got {m}")
-        ids = np.asarray(ids, np.int64)
-        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in 0 .. {self.cfg.vocab_size - 1}")
-        if self.state.position + m > self.state.max_context:
-            raise ContextOverflow(f"{self.state.position} tokens in the state + {m} exceed the context of "
+        ids = self.check_ids(ids, self.max_tokens, "a step")
+        if self.state.position + len(ids) > self.state.max_context:
+            raise ContextOverflow(f"{self.state.position} tokens in the state + {len(ids)} exceed the context of "
                                   f"{self.state.max_context} tokens")
-        self._io_host = np.concatenate([[self.state.position], ids]).astype(np.int32)  # alive until the copy ran
-        self.io.view(1 + m).copy_from(self._io_host, stream=self.stream)
-        self._replay(m)
+        self.upload(ids)
+        self._replay(len(ids))
 
     def launch_greedy(self, n: int) -> None:
         """n one-token steps, each on the previous step's argmax (left in io by the step before), without the host:
@@ -168,11 +212,7 @@ class LayeredStep:
             self._replay(1)
 
     def _replay(self, m: int) -> None:
-        if m not in self.graphs:
-            with Graph.capture(self.stream) as g:
-                self.enqueue(m, self.stream)
-            self.graphs[m] = g
-        self.graphs[m].launch(self.stream)
+        self.replay(("step", m), lambda stream: self.enqueue(m, stream))
         self.state.position += m
 
     def wait(self) -> None:
@@ -184,7 +224,7 @@ class LayeredStep:
         for a in (self.io, self.x, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
                   self.logits, self.tokens):
             a.free()
-        self.kernels.free()
+        self.tree.free()
         self.stream.destroy()
 
 
@@ -239,6 +279,11 @@ class LayeredEngine(Speculating):
 
     def decode(self, token: int) -> np.ndarray:
         return self.run([token])[0][0]
+
+    def verifier(self):
+        """The whole tree in one forward of the step, through the kernels it decodes with."""
+        from .layered_verify import TreeVerifier  # here: it imports this module
+        return TreeVerifier(self.step)
 
     def free(self) -> None:
         self.free_speculation()

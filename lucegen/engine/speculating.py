@@ -1,5 +1,7 @@
-"""speculate() for the GPU engines: speculative rounds whose tree is verified node by node through the engine's own
-decode step (lucegen.spec_decode.device.NodeVerifier), so the output equals plain decoding's token for token."""
+"""speculate() for the GPU engines: speculative rounds whose tree is verified with the engine's own decode
+arithmetic, so the output equals plain decoding's token for token. The engine says which verifier it has
+(verifier()): node by node through its decode step (lucegen.spec_decode.device.NodeVerifier, the default), or the
+whole tree in one forward (LayeredEngine: lucegen.engine.layered_verify.TreeVerifier)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,9 +24,13 @@ class Speculating:
             raise ContextOverflow(f"{self.position} tokens in the state + {n} new ones exceed the context of "
                                   f"{self.max_context} tokens")
         if self._verifier is None:
-            from ..spec_decode.device import NodeVerifier  # here: spec_decode imports the engine's sampler
-            self._verifier = NodeVerifier(self)
+            self._verifier = self.verifier()
         return self.speculation.round(self._verifier, context_ids, max_new, sampler)
+
+    def verifier(self):
+        """A new Verifier (lucegen.spec_decode.decode) of this engine's sequence: node by node through decode()."""
+        from ..spec_decode.device import NodeVerifier  # here: spec_decode imports the engine's sampler
+        return NodeVerifier(self)
 
     def free_speculation(self) -> None:
         if self._verifier is not None:

@@ -32,7 +32,7 @@ from ..spec import WEIGHT_FORMATS, ChipSpec
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 MT_CHOICES = (16, 8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, padding
-VERIFY_ROWS = 64   # activation rows QMatmul makes room for up front (a tree verify's budget)
+VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 
 

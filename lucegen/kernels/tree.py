@@ -37,6 +37,11 @@ KV_THREADS = 128
 NULL = (0, ctypes.c_void_p)
 
 
+def _io(io):
+    """The io pointer argument: a DeviceArray, or null (the position is the launch's start alone)."""
+    return NULL if io is None else io
+
+
 # ---- tree shape -------------------------------------------------------------------------------------------------
 def depths(parents: Sequence[int]) -> np.ndarray:
     """depth [N] of a topologically ordered tree; a clear error for anything else."""
@@ -199,7 +204,13 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     return None
 
 
-def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
+def unit_name(tiled: bool) -> str:
+    return "tree_tiled" if tiled else "tree"
+
+
+def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, True)) -> list[KernelUnit]:
+    """One unit per DeltaNet value-head order in `orders` (True: llama.cpp's tiled order of a GGUF checkpoint,
+    False: HF's grouped order)."""
     if not model.linear_layers or not model.full_layers or shape_problem(model, spec):
         return []
     mk, cfg = spec.tuning.megakernel, model
@@ -214,10 +225,10 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
                  min_chunk=2 * (mk.threads // 32)),
         dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=mk.threads, att_blocks=mk.blocks,
         max_nodes=max_nodes)
-    return [KernelUnit("tree", "tree.cu.j2", params, (
-        KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
-        KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", mk.threads),
-        KernelSig("tree_kv_commit", KV_THREADS)))]
+    sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
+            KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", mk.threads),
+            KernelSig("tree_kv_commit", KV_THREADS))
+    return [KernelUnit(unit_name(tiled), "tree.cu.j2", {**params, "tiled": tiled}, sigs) for tiled in orders]
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------------
@@ -236,7 +247,9 @@ class TreeKernels:
     """The tree kernels of one model on one chip and their scratch, sized for the spec's DDTree budget (+ root).
 
     Arguments are DeviceArrays: mixed [N, C + value_dim + 2 Hv] and qkv [N, attention in-projection rows] fp32
-    (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them. A round:
+    (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them. The
+    committed position is `start`, plus io[0] where io (an int32 DeviceArray) is given: the layer-by-layer step
+    keeps its position on the device so that its captured graphs replay at any position. A round:
     t = tree(parents) (one upload, shared by every layer), per layer deltanet / attention_kv + attention, then
     set_path(t, path) and per layer deltanet_commit / kv_commit. The decode step is the 1-node tree, uploaded once:
     decode_deltanet and decode_attention, one launch each (its K/V row is row start: nothing to commit). Uploads are synchronous
@@ -286,54 +299,58 @@ class TreeKernels:
         self.path.view(len(path), np.int32).copy_from(np.asarray(path, np.int32))
         return len(path)
 
-    def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, steps, levels, codes, commit,
-                  stream):
+    def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, steps, levels, codes,
+                  commit, stream):
         cfg = self.cfg
         grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
         ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
         self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, tree.n, steps, levels, start, out, ticket, int(commit),
+                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, int(commit),
                  smem=dn_smem(cfg, levels, steps), stream=stream)
 
-    def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int,
+    def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
                  stream=None) -> None:
         """Raw head outputs out [N, Hv * dv] of every node; the committed ring and state are only read."""
-        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, tree.n, tree.levels,
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, tree.n, tree.levels,
                        tree.d_schedule, False, stream)
 
     def deltanet_commit(self, tree: DeviceTree, length: int, mixed, conv_w, a_log, dt_bias, ring, state, out,
-                        start: int, stream=None) -> None:
+                        start: int, io=None, stream=None) -> None:
         """The accepted path (set_path) replayed into ring and state: they become what decoding its tokens one by
         one leaves. out rows of the path's nodes are rewritten with the same values."""
-        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, length, 0, self.path, True,
-                       stream)
+        self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, length, 0, self.path,
+                       True, stream)
 
-    def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, stream=None) -> None:
+    def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
+                        stream=None) -> None:
         """The decode step at position start: out [1, Hv * dv]; ring and state advanced."""
         t = self.single
-        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, 1, 0, t.d_schedule, True, stream)
+        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, 1, 0, t.d_schedule, True,
+                       stream)
 
-    def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, stream=None) -> None:
+    def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, io=None, stream=None) -> None:
         """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
         self._kv((tree.n, self.cfg.num_key_value_heads), KV_THREADS, qkv, qkv.shape[1], k_norm, keys, values,
-                 tree.d_depth, start, stream=stream)
+                 tree.d_depth, _io(io), start, stream=stream)
 
-    def _attention(self, tree, qkv, q_norm, k_norm, keys, values, out, start, writes_kv, stream) -> None:
+    def _attention(self, tree, qkv, q_norm, k_norm, keys, values, out, start, io, writes_kv, stream) -> None:
         self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, k_norm, keys, values,
-                  tree.d_parents, tree.d_depth, start, self.part_ml, self.part_acc, self.tickets, out, int(writes_kv),
-                  stream=stream)
+                  tree.d_parents, tree.d_depth, _io(io), start, self.part_ml, self.part_acc, self.tickets, out,
+                  int(writes_kv), stream=stream)
 
-    def attention(self, tree: DeviceTree, qkv, q_norm, keys, values, out, start: int, stream=None) -> None:
+    def attention(self, tree: DeviceTree, qkv, q_norm, keys, values, out, start: int, io=None,
+                  stream=None) -> None:
         """Gated attention outputs out [N, n_heads * head_dim]; after attention_kv."""
-        self._attention(tree, qkv, q_norm, NULL, keys, values, out, start, False, stream)  # K/V rows are written
+        self._attention(tree, qkv, q_norm, NULL, keys, values, out, start, io, False, stream)  # K/V rows written
 
-    def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, stream=None) -> None:
+    def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, io=None, stream=None) -> None:
         """The decode step at position start in one launch: its K/V row into row start, out [1, n_heads * head_dim]."""
-        self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, True, stream)
+        self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, io, True, stream)
 
-    def kv_commit(self, length: int, keys, values, start: int, stream=None) -> None:
+    def kv_commit(self, length: int, keys, values, start: int, io=None, stream=None) -> None:
         """The accepted path's rows (set_path) moved to start .. start + length - 1."""
-        self._commit(self.cfg.num_key_value_heads, KV_THREADS, keys, values, self.path, length, start, stream=stream)
+        self._commit(self.cfg.num_key_value_heads, KV_THREADS, keys, values, self.path, length, _io(io), start,
+                     stream=stream)
 
     def free(self) -> None:
         for a in (self.part_ml, self.part_acc, self.tickets, self.ints):

@@ -60,7 +60,7 @@ def kernels(tmp_path_factory):
     @cache
     def get(name: str) -> tree.TreeKernels:
         cfg = MODELS[name]()
-        (unit,) = tree.units(spec, cfg)
+        (unit,) = tree.units(spec, cfg, [False])
         return tree.TreeKernels(build(spec, cfg, [unit], root=root).module(unit.name), cfg, spec)
     return get
 

@@ -1,0 +1,103 @@
+"""Tree verification in one forward of the layer-by-layer step (lucegen/engine/layered.py): the Verifier
+(lucegen.spec_decode.decode) of LayeredEngine.
+
+forward(tokens, parents) runs the N nodes of a draft tree through every layer at once: the projections over N
+rows, per DeltaNet layer the tree DeltaNet (each node's recurrence from its parent's state), per attention layer
+attention_kv (node n's K/V into cache row start + n) and the ancestor-masked attention, node n at position
+start + depth[n]. The kernels are those the step decodes with (a decode step is their 1-node tree), so node n's
+logits are bit for bit those of decoding it after its ancestors. commit(path) replays the accepted path into the
+DeltaNet states and conv rings from the in-projection rows the forward kept per DeltaNet layer, and moves the
+path's K/V rows to start .. start + len - 1: no second target pass.
+
+Both are captured as CUDA graphs, the forward per (N, DeltaNet stack levels), the commit per (N, path length); the
+committed position is read from the step's io on the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..kernels.megakernel import lin_in_rows
+from ..runtime import DeviceArray
+from .base import ContextOverflow
+from .layered import LayeredStep, rows
+
+
+class TreeMixer:
+    """The mixers of a verify over the uploaded tree (`tree`, a tree.DeviceTree): every node in one launch per
+    kernel. Each DeltaNet layer's in-projection rows go to a buffer of its own, which the commit replays."""
+    advances = False  # the position moves on commit
+
+    def __init__(self, step: LayeredStep):
+        self.step, self.tree = step, None
+        n, width = step.tree.max_nodes, lin_in_rows(step.cfg)
+        self.mixed = {i: DeviceArray.empty((n, width), np.float32) for i in step.cfg.linear_layers}
+
+    def in_rows(self, i: int) -> DeviceArray:
+        return self.mixed[i]
+
+    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream) -> None:
+        s, c = self.step, self.step.cfg
+        s.tree.deltanet(self.tree, rows(mixed, m, L["lin_in"].n), L["conv"], L["a_log"], L["dt_bias"],
+                        s.state.conv[i], s.state.recurrent[i], rows(out, m, c.value_dim), 0, s.io, stream=stream)
+
+    def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
+        s, c = self.step, self.step.cfg
+        qkv = rows(qkv, m, L["att_in"].n)
+        keys, values = s.state.keys[i], s.state.values[i]
+        s.tree.attention_kv(self.tree, qkv, L["k_norm"], keys, values, 0, s.io, stream=stream)
+        s.tree.attention(self.tree, qkv, L["q_norm"], keys, values, rows(out, m, c.num_attention_heads * c.head_dim),
+                         0, s.io, stream=stream)
+
+    def commit(self, length: int, stream) -> None:
+        """Every layer's commit of the path set on the tree kernels (set_path)."""
+        s, c, W = self.step, self.step.cfg, self.step.weights
+        n = self.tree.n
+        for i in c.linear_layers:
+            L = W.layers[i]
+            s.tree.deltanet_commit(self.tree, length, rows(self.mixed[i], n, L["lin_in"].n), L["conv"], L["a_log"],
+                                   L["dt_bias"], s.state.conv[i], s.state.recurrent[i],
+                                   rows(s.mix_out, n, c.value_dim), 0, s.io, stream=stream)
+        for i in c.full_layers:
+            s.tree.kv_commit(length, s.state.keys[i], s.state.values[i], 0, s.io, stream=stream)
+
+    def free(self) -> None:
+        for a in self.mixed.values():
+            a.free()
+
+
+class TreeVerifier:
+    """The Verifier of a LayeredStep's sequence: forward(tokens, parents) -> logits [N, vocab] after the committed
+    state (parents topologically ordered, parents[0] = -1), then commit(path) of an accepted path (root first)."""
+
+    def __init__(self, step: LayeredStep):
+        self.step, self.mixer = step, TreeMixer(step)
+
+    def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        s, n = self.step, len(tokens)
+        if len(parents) != n:
+            raise ValueError(f"tree verify: {n} tokens but {len(parents)} parents")
+        ids = s.check_ids(tokens, s.tree.max_nodes, "a tree verify")
+        if s.state.position + n > s.state.max_context:
+            raise ContextOverflow(f"a tree of {n} nodes after {s.state.position} tokens: its K/V rows exceed the "
+                                  f"context of {s.state.max_context}")
+        s.wait()  # the tree's upload rewrites buffers that earlier launches read
+        t = self.mixer.tree = s.tree.tree(parents)
+        s.upload(ids)
+        s.replay(("tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
+        s.wait()
+        return s.logits.view((n, s.cfg.vocab_size)).numpy()
+
+    def commit(self, path: Sequence[int]) -> None:
+        s, t = self.step, self.mixer.tree
+        if t is None:
+            raise ValueError("tree verify: commit() before forward()")
+        length = s.tree.set_path(t, path)
+        s.replay(("commit", t.n, length), lambda stream: self.mixer.commit(length, stream))
+        s.wait()
+        s.state.position += length
+        self.mixer.tree = None
+
+    def free(self) -> None:
+        self.mixer.free()
