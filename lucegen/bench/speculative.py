@@ -10,10 +10,12 @@
              each run right after an autoregressive one that its speedup and limit are taken from
     budget   a noisy oracle (the true token first with probability SWEEP_ACCURACY, else second) under DDTree trees
              of BUDGETS nodes: accepted length and tok/s per budget
+    verify   engines with a verifier() (the cuda ones): its target pass over a DDTree of each budget (the noisy
+             oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget)
 
 Every output is checked against the autoregressive one (greedy_equal): speculative decoding is lossless. Models
-are named "<backend> <target>"; the headline is ddtree_tok_s_al8. Backends without speculate() (the cuda engine,
-for now) record the autoregressive rate and say what they skipped.
+are named "<backend> <target>"; the headline is ddtree_tok_s_al8. Engines without speculate() record the
+autoregressive rate and say what they skipped.
 """
 from __future__ import annotations
 
@@ -82,6 +84,37 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
           f"(tree of {len(tree.tokens)} nodes)")
 
 
+def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int],
+           budgets: Sequence[int], repeat: int) -> None:
+    """The engine's verifier (the tree verifier of the layer-by-layer step, node by node on the megakernel's)
+    over the tree of each budget after the prompt, against one decode step there."""
+    if not hasattr(engine, "verifier"):
+        return
+    verifier = engine.verifier()
+    try:
+        engine.reset()
+        engine.prefill(prompt_ids)
+        context = [*prompt_ids, target[0]]
+        draft = oracle_draft(target, len(prompt_ids), engine.config.vocab_size, accuracy=SWEEP_ACCURACY, seed=1)
+        logprobs = draft(context, DEPTH)
+        most = getattr(verifier, "max_nodes", None)
+        times = {}
+        for b in budgets:
+            tree = build_tree(logprobs, b, root=context[-1])
+            if most is not None and len(tree.tokens) > most:
+                print(f"  verify: budget {b} skipped ({type(verifier).__name__} takes trees of at most {most} nodes)")
+                continue
+            verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
+            times[b] = (len(tree.tokens), _median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
+        step_ms = _median_ms(lambda: engine.decode(target[0]), repeat * 4)
+    finally:
+        verifier.free()
+    rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))
+    for b, (nodes, ms) in times.items():
+        rec.record("spec_verify_ms", name, ms, "ms", step_ms, budget=b, nodes=nodes, verifier=type(verifier).__name__)
+        print(f"  verify, budget {b} ({nodes} nodes): {ms:.2f} ms = {ms / step_ms:.1f} decode steps")
+
+
 def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: str | None = None,
         budget: int = BUDGET, tokens: int = TOKENS, accept_lengths: Sequence[int] = ACCEPT_LENGTHS,
         budgets: Sequence[int] = BUDGETS, repeat: int = 3) -> None:
@@ -131,6 +164,7 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
     parts(rec, engine, f"{name} + draft {model_name(draft)}" if real_draft else name, prompt_ids, target,
           real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget),
           f"DFlash {draft}" if real_draft else "oracle, 7 right a round", repeat)
+    verify(rec, engine, name, prompt_ids, target, budgets, repeat)
     for a in accept_lengths:
         draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
         for mode in ("ddtree", "chain"):

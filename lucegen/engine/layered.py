@@ -184,7 +184,8 @@ class LayeredStep:
         self.io.view(1 + len(ids)).copy_from(self._io_host, stream=self.stream)
 
     def replay(self, key: tuple, enqueue) -> None:
-        """Launch the graph of `key`, captured from enqueue(stream) on first use."""
+        """Launch the graph of `key` (its first element: who owns it), captured from enqueue(stream) on first
+        use."""
         if key not in self.graphs:
             with Graph.capture(self.stream) as g:
                 enqueue(self.stream)
@@ -211,8 +212,13 @@ class LayeredStep:
         for _ in range(n):
             self._replay(1)
 
+    def drop(self, owner) -> None:
+        """Destroy the graphs `owner` captured (before it frees buffers they read)."""
+        for key in [k for k in self.graphs if k[0] is owner]:
+            self.graphs.pop(key).destroy()
+
     def _replay(self, m: int) -> None:
-        self.replay(("step", m), lambda stream: self.enqueue(m, stream))
+        self.replay((self, m), lambda stream: self.enqueue(m, stream))
         self.state.position += m
 
     def wait(self) -> None:

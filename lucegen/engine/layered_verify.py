@@ -73,6 +73,7 @@ class TreeVerifier:
 
     def __init__(self, step: LayeredStep):
         self.step, self.mixer = step, TreeMixer(step)
+        self.max_nodes = step.tree.max_nodes  # the spec's DDTree budget + the root
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         s, n = self.step, len(tokens)
@@ -85,7 +86,7 @@ class TreeVerifier:
         s.wait()  # the tree's upload rewrites buffers that earlier launches read
         t = self.mixer.tree = s.tree.tree(parents)
         s.upload(ids)
-        s.replay(("tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
+        s.replay((self, "tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
         s.wait()
         return s.logits.view((n, s.cfg.vocab_size)).numpy()
 
@@ -94,10 +95,11 @@ class TreeVerifier:
         if t is None:
             raise ValueError("tree verify: commit() before forward()")
         length = s.tree.set_path(t, path)
-        s.replay(("commit", t.n, length), lambda stream: self.mixer.commit(length, stream))
+        s.replay((self, "commit", t.n, length), lambda stream: self.mixer.commit(length, stream))
         s.wait()
         s.state.position += length
         self.mixer.tree = None
 
     def free(self) -> None:
+        self.step.drop(self)
         self.mixer.free()

@@ -11,8 +11,8 @@ are kept, so the commit of the accepted path copies the last node's DeltaNet sta
 to their positions: no second target pass.
 
 Cost: one decode launch per node and the copies (DeltaNet state per node: 0.4 MB on the tiny pair, 19 MB on the
-0.8B). This is the correct first version; the one-forward tree verify of the tree kernels (lucegen/kernels/tree.py)
-replaces it once the layer-by-layer step drives them.
+0.8B). The decode megakernel's engine verifies so; the layer-by-layer step verifies a whole tree in one forward of
+the tree kernels (lucegen/engine/layered_verify.py: TreeVerifier).
 """
 from __future__ import annotations
 

@@ -226,3 +226,115 @@ def test_the_cuda_backend_runs_a_gguf_through_the_step(tmp_path):
     out = generate_text(engine, tokenizer, prompt, 24, SamplingParams(temperature=0.0), ignore_eos=True)
     ref = {k: np.asarray(v, np.float32) for k, v in load_gguf(paths["gguf"]).load_all(progress=False).items()}
     assert list(out.token_ids) == generate(ref, RATIO3_Q, prompt, 24)
+
+
+# ---- tree verify in one forward (lucegen/engine/layered_verify.py) ----------------------------------------------
+# a root with three children, branches of several depths, a chain of four, a leaf at depth one
+TREE = [-1, 0, 0, 1, 1, 3, 2, 6, 7, 0, 4, 5]
+
+
+def random_tree(n: int, seed: int) -> list[int]:
+    """n nodes, each a child of a random earlier one, deeper ones favoured (trees as DDTree grows them)."""
+    rng = np.random.default_rng(seed)
+    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
+
+
+def ancestry(parents, n: int) -> list[int]:
+    """n's ancestors, root first, then n."""
+    chain = []
+    while n >= 0:
+        chain.append(n)
+        n = parents[n]
+    return chain[::-1]
+
+
+def state_bytes(engine: LayeredEngine) -> dict:
+    """The committed state: DeltaNet rings and states whole, K/V rows below the position."""
+    st, p = engine.state, engine.position
+    out = {f"conv{i}": a.numpy() for i, a in st.conv.items()}
+    out.update({f"rec{i}": a.numpy() for i, a in st.recurrent.items()})
+    out.update({f"k{i}": a.numpy()[:p] for i, a in st.keys.items()})
+    out.update({f"v{i}": a.numpy()[:p] for i, a in st.values.items()})
+    return out
+
+
+def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray | None:
+    """Reset, prefill `context` in the engine's chunks, then decode `tokens` one by one; the last logits."""
+    engine.reset()
+    logits = engine.prefill(context)
+    for t in tokens:
+        logits = engine.decode(int(t))
+    return logits
+
+
+@pytest.mark.parametrize("tree_name", ["branches", "full"])
+def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(gguf, tree_name):
+    """Every node's logits from one forward over the tree equal those of decoding its ancestors and itself one
+    by one after the committed prompt; "full": a tree of the spec's whole DDTree budget + the root."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=8)
+    parents = TREE if tree_name == "branches" else random_tree(engine.step.tree.max_nodes, 7)
+    rng = np.random.default_rng(8)
+    context = rng.integers(0, RATIO3_Q.vocab_size, 21)
+    tokens = rng.integers(0, RATIO3_Q.vocab_size, len(parents))
+    poison(engine)
+    after(engine, context)
+    verifier = engine.verifier()
+    logits = verifier.forward(tokens, parents)
+    assert engine.position == len(context)  # a verify commits nothing
+    assert logits.shape == (len(parents), RATIO3_Q.vocab_size)
+    for n in range(len(parents)):
+        expected = after(engine, context, tokens[ancestry(parents, n)])
+        np.testing.assert_array_equal(logits[n], expected, err_msg=f"node {n} (parents {parents})")
+
+
+@pytest.mark.parametrize("path", [[0], [0, 1, 3, 5, 11], [0, 2, 6, 7, 8], [0, 9]])
+def test_a_commit_leaves_the_state_of_decoding_the_path(gguf, path):
+    """Bit for bit: the DeltaNet states and rings, the K/V rows, the position; and the next decode step."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=8)
+    rng = np.random.default_rng(9)
+    context = rng.integers(0, RATIO3_Q.vocab_size, 13)
+    tokens = rng.integers(0, RATIO3_Q.vocab_size, len(TREE))
+    nxt = int(rng.integers(0, RATIO3_Q.vocab_size))
+    poison(engine)
+    after(engine, context)
+    verifier = engine.verifier()
+    verifier.forward(tokens, TREE)
+    verifier.commit(path)
+    assert engine.position == len(context) + len(path)
+    committed, logits = state_bytes(engine), engine.decode(nxt)
+    poison(engine)
+    after(engine, context, tokens[path])
+    sequential = state_bytes(engine)
+    for name, a in sequential.items():
+        np.testing.assert_array_equal(committed[name], a, err_msg=name)
+    np.testing.assert_array_equal(logits, engine.decode(nxt))
+
+
+@pytest.mark.parametrize("budget,chain", [(4, False), (64, False), (16, True)])
+def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(tmp_path_factory, budget, chain):
+    """LayeredEngine.speculate (the tree verifier) with a noisy oracle draft: the tokens of plain greedy decoding,
+    in fewer target passes than tokens."""
+    from lucegen.engine.layered_verify import TreeVerifier
+    from lucegen.engine.sampling import Sampler, SamplingParams
+    from lucegen.spec_decode import Speculation, oracle_draft
+    weights, _ = checkpoint(tmp_path_factory, "gguf", peaked=True)
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    prompt = [int(t) for t in np.random.default_rng(10).integers(0, RATIO3_Q.vocab_size, 9)]
+    n = 48
+    logits = after(engine, prompt)
+    plain = [int(np.argmax(logits))]
+    while len(plain) < n:
+        plain.append(int(np.argmax(engine.decode(plain[-1]))))
+    draft = oracle_draft(plain, len(prompt), RATIO3_Q.vocab_size, accuracy=0.8, seed=3)
+    engine.speculation = Speculation(draft, depth=7, budget=min(budget, engine.spec.tuning.ddtree.budget),
+                                     chain=chain)
+    logits = after(engine, prompt)
+    out, rounds, greedy = [int(np.argmax(logits))], 0, Sampler(SamplingParams(temperature=0))
+    while len(out) < n:
+        out += engine.speculate([*prompt, *out], n - len(out), greedy)
+        rounds += 1
+    assert isinstance(engine._verifier, TreeVerifier)
+    assert out == plain
+    assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the oracle's tokens were not accepted"
