@@ -249,13 +249,11 @@ def ancestry(parents, n: int) -> list[int]:
 
 
 def state_bytes(engine: LayeredEngine) -> dict:
-    """The committed state: DeltaNet rings and states whole, K/V rows below the position."""
-    st, p = engine.state, engine.position
-    out = {f"conv{i}": a.numpy() for i, a in st.conv.items()}
-    out.update({f"rec{i}": a.numpy() for i, a in st.recurrent.items()})
-    out.update({f"k{i}": a.numpy()[:p] for i, a in st.keys.items()})
-    out.update({f"v{i}": a.numpy()[:p] for i, a in st.values.items()})
-    return out
+    """The committed state, exactly (DeviceState.to_reference: the conv rings' last K-1 positions, the recurrent
+    states, the K/V rows below the position)."""
+    ref = engine.state.to_reference()
+    return {"position": ref.position, **{f"{t}{i}": a.copy() for t in ("conv", "recurrent", "keys", "values")
+                                         for i, a in getattr(ref, t).items()}}
 
 
 def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray | None:

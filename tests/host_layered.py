@@ -1,0 +1,213 @@
+"""The layer-by-layer step (lucegen/engine/layered.py) and its tree verifier (layered_verify.py) on host memory:
+device arrays on numpy byte buffers (tests/host_kernels.py), every kernel launch replaced by its family's numpy
+reference applied to exactly the arguments the kernel gets, CUDA graphs by lists of recorded launches replayed in
+order. For an HF checkpoint (bf16 matrices, HF's grouped value-head order: the order of the tree references).
+
+Projections run row by row (a GEMM row is the GEMV of that row, as on the GPU), so the emulation is as
+deterministic per row as the kernels, and a verify's node can be held bit for bit to its decode step."""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+
+import lucegen.engine.layered as layered_mod
+from lucegen.kernels import layered, tree
+from lucegen.kernels.gdn import gated_norm_reference
+from lucegen.kernels.qgemv import fmt_of
+from lucegen.model.quants import dequantize
+from host_kernels import HostArray, on_host, rows_of, store
+
+
+class HostGraph:
+    """A captured graph: the launches made inside `with HostGraph.capture(stream)`, replayed by launch()."""
+    recording: list | None = None
+
+    def __init__(self):
+        self.launches: list = []
+
+    @classmethod
+    def capture(cls, stream) -> "HostGraph":
+        return cls()
+
+    def __enter__(self) -> "HostGraph":
+        HostGraph.recording = self.launches
+        return self
+
+    def __exit__(self, *exc) -> None:
+        HostGraph.recording = None
+
+    def launch(self, stream=None) -> None:
+        for run in self.launches:
+            run()
+
+    def destroy(self) -> None:
+        self.launches = None  # a replay after destroy() fails loudly
+
+
+class HostStream:
+    def synchronize(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+def _pos(io, start: int) -> int:
+    """A tree kernel's committed position: start, plus io[0] where io is an array (not the null argument)."""
+    return start + (int(io.a[0]) if isinstance(io, HostArray) else 0)
+
+
+def _array(a):
+    return a if isinstance(a, HostArray) else None
+
+
+_MATRICES: dict = {}  # (buffer id, offset, format, n, k) -> (the buffer, kept alive so ids stay unique; values)
+
+
+def matrix(w: HostArray, fmt: str, n: int, k: int) -> np.ndarray:
+    """The float values of the first n rows of K = k of a weight buffer (weights are written once: cached)."""
+    key = (id(w.buf), w.offset, fmt, n, k)
+    if key not in _MATRICES:
+        row = fmt_of(fmt).row_bytes(k)
+        raw = w.a.reshape(-1)[:n * row].reshape(n, row)
+        _MATRICES[key] = (w.buf, dequantize(raw, fmt_of(fmt).ggml).astype(np.float32))
+    return _MATRICES[key][1]
+
+
+def parents_of_depths(depth: np.ndarray) -> list[int]:
+    """A topologically ordered tree with these depths (what attention_kv's references read of a tree)."""
+    last: dict[int, int] = {}
+    parents = []
+    for n, d in enumerate(depth):
+        parents.append(-1 if d == 0 else last[int(d) - 1])
+        last[int(d)] = n
+    return parents
+
+
+class LayeredHostKernel:
+    def __init__(self, cfg, name: str):
+        self.cfg, self.name = cfg, name
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        pass
+
+    def max_active_blocks_per_sm(self, threads: int, smem: int) -> int:
+        return 1
+
+    def __call__(self, grid, block, *args, smem=0, stream=None):
+        grid = (grid,) if isinstance(grid, int) else grid
+        if HostGraph.recording is not None:
+            HostGraph.recording.append(lambda: self.run(grid, args))
+        else:
+            self.run(grid, args)
+
+    def run(self, grid, args) -> None:
+        c, name = self.cfg, self.name
+        H, C, VD = c.hidden_size, c.conv_dim, c.value_dim
+        lin_rows = C + VD + 2 * c.linear_num_value_heads
+        if name.startswith(("qgemv_", "qgemm_")):
+            w, x, y, n, m = args
+            fmt, k = name.split("_")[1], int(name.split("_")[2][1:])
+            W = matrix(w, fmt, n, k)
+            X, Y = rows_of(x, m, k), rows_of(y, m, n)
+            for t in range(m):  # row by row: every row the GEMV of that row
+                store(Y[t], W @ X[t])
+        elif name == "argmax_f32":
+            v, n, out, _, _ = args
+            out.a[0] = int(np.argmax(v.a[:n]))
+        elif name == "layered_embed":
+            table, io, x = args
+            m, V = grid[0], c.vocab_size
+            store(rows_of(x, m, H), matrix(table, "bf16", V, H)[io.a[1:1 + m]])
+        elif name == "layered_add_rmsnorm":
+            x, y, w, h = args
+            m = grid[0]
+            x1, h1 = layered.add_rmsnorm_reference(rows_of(x, m, H), None if _array(y) is None else rows_of(y, m, H),
+                                                   w.a, c.rms_norm_eps)
+            store(rows_of(x, m, H), x1)
+            store(rows_of(h, m, H), h1)
+        elif name == "layered_silu_mul":
+            gate_up, act = args
+            m, inter = grid[0], c.intermediate_size
+            store(rows_of(act, m, inter), layered.silu_mul_reference(rows_of(gate_up, m, 2 * inter)))
+        elif name == "layered_place":
+            src, dst, n, ld, off = args
+            m = grid[0]
+            store(rows_of(dst, m, ld)[:, off:off + n], rows_of(src, m, n))
+        elif name == "layered_deltanet_norm":
+            out, mixed, w, y = args
+            m, hv, dv = grid[0], c.linear_num_value_heads, c.linear_value_head_dim
+            z = rows_of(mixed, m, lin_rows)[:, C:C + VD].reshape(m, hv, dv)
+            store(rows_of(y, m, VD), gated_norm_reference(rows_of(out, m, VD).reshape(m, hv, dv), z, w.a,
+                                                          c.rms_norm_eps))
+        elif name == "layered_advance":
+            io, tokens, m = args
+            io.a[0] += m
+            io.a[1] = tokens.a[m - 1]
+        elif name == "tree_deltanet":
+            (mixed, stride, conv_w, a_log, dt_bias, ring, state, parents, depth, codes, nodes, steps, levels, io,
+             start, out, ticket, commit) = args
+            start, X = _pos(io, start), mixed.a.reshape(-1, stride)
+            assert X.shape[1] == lin_rows, "the in-projection rows' stride"
+            O = out.a.reshape(-1, VD)
+            if not commit:
+                o, _, _ = tree.deltanet_reference(c, X[:nodes], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a,
+                                                  parents.a[:nodes], start)
+                store(O[:nodes], o)
+                return
+            path = list(codes.a[:steps] & 0xFFFF)  # the schedule of a commit (or the decode step) is the path
+            chain = [-1, *range(len(path) - 1)]
+            o, _, recs = tree.deltanet_reference(c, X[path], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a, chain,
+                                                 start)
+            new_ring, new_state = tree.deltanet_commit_reference(X[path], ring.a, state.a, recs,
+                                                                 list(range(len(path))), start)
+            store(ring.a, new_ring)
+            store(state.a, new_state)
+            for i, n in enumerate(path):
+                store(O[n], o[i])
+        elif name == "tree_attention_kv":
+            qkv, stride, k_norm, keys, values, depth, io, start = args
+            n, start = grid[0], _pos(io, start)
+            k, v = tree.attention_kv_reference(c, qkv.a.reshape(-1, stride)[:n], k_norm.a,
+                                               parents_of_depths(depth.a[:n]), start)
+            store(keys.a[start:start + n], k)
+            store(values.a[start:start + n], v)
+        elif name == "tree_attention":
+            (qkv, stride, q_norm, k_norm, keys, values, parents, depth, io, start, _, _, _, out, writes_kv) = args
+            n, start, Q = grid[1], _pos(io, start), qkv.a.reshape(-1, stride)
+            if writes_kv:  # the decode step: a 1-node tree that writes its own K/V row
+                k, v = tree.attention_kv_reference(c, Q[:1], k_norm.a, [-1], start)
+                store(keys.a[start:start + 1], k)
+                store(values.a[start:start + 1], v)
+            o = tree.attention_reference(c, Q[:n], q_norm.a, keys.a.astype(np.float32),
+                                         values.a.astype(np.float32), parents.a[:n], start)
+            store(out.a.reshape(-1, o.shape[1])[:n], o)
+        elif name == "tree_kv_commit":
+            keys, values, path, length, io, start = args
+            start = _pos(io, start)
+            for cache in (keys, values):
+                cache.a[...] = tree.kv_commit_reference(cache.a, list(path.a[:length]), start)
+        else:
+            raise KeyError(f"no host stand-in for kernel {name}")
+
+
+class LayeredHostModule:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def kernel(self, name: str) -> LayeredHostKernel:
+        return LayeredHostKernel(self.cfg, name)
+
+
+@contextlib.contextmanager
+def layered_on_host(monkeypatch):
+    """Inside: LayeredEngine runs on host memory with the kernels' numpy references."""
+    with on_host(monkeypatch):
+        def fake_build(spec, cfg, unit_list, root=None):
+            return SimpleNamespace(module=lambda name: LayeredHostModule(cfg))
+        monkeypatch.setattr(layered_mod, "build", fake_build)
+        monkeypatch.setattr(layered_mod, "Graph", HostGraph)
+        monkeypatch.setattr(layered_mod, "Stream", HostStream)
+        yield

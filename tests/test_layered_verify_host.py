@@ -1,0 +1,152 @@
+"""The layer-by-layer step's tree verifier (lucegen/engine/layered_verify.py) without a GPU: LayeredEngine on host
+memory with every kernel launch replaced by its numpy reference (tests/host_layered.py). The step's decoding is
+first held to the reference model (the emulation is the right one); then, on freshly drawn trees, prompts and
+tokens: every node's logits from one verify forward equal decoding its ancestors and itself one by one, bit for
+bit; a commit leaves the state of decoding the accepted path; greedy speculative generation with an oracle draft
+gives plain greedy's tokens; and the verifier's input checks say what is wrong."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lucegen.engine.base import ContextOverflow
+from lucegen.engine.layered import LayeredEngine
+from lucegen.engine.layered_verify import TreeVerifier
+from lucegen.engine.sampling import Sampler, SamplingParams
+from lucegen.model.config import tiny_config
+from lucegen.reference import State, decode_step, random_weights, relative_error
+from lucegen.spec import load_spec
+from lucegen.spec_decode import Speculation, oracle_draft
+from host_layered import layered_on_host
+
+CFG = tiny_config()
+SPEC = load_spec("h200")
+# what the step multiplies: every matrix in bf16 (an HF checkpoint's Source); vectors fp32
+WEIGHTS = {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v)
+           for k, v in random_weights(CFG, seed=5).items()}
+STEP_RTOL = 1e-2  # the bf16 K/V cache against the reference's fp32 one (tests/gpu/test_layered_gpu.py)
+
+trees = st.integers(1, 14).flatmap(lambda n: st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, n)]))
+
+
+@pytest.fixture
+def engine():
+    """One engine for all of a test's examples (each starts from reset(); its graphs are replayed across them)."""
+    with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
+        e = LayeredEngine(WEIGHTS, CFG, spec=SPEC, max_context=128, chunk=4)
+        yield e
+        e.free()
+
+
+def ancestry(parents, n: int) -> list[int]:
+    chain = []
+    while n >= 0:
+        chain.append(n)
+        n = parents[n]
+    return chain[::-1]
+
+
+def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray:
+    engine.reset()
+    logits = engine.prefill([int(t) for t in context])
+    for t in tokens:
+        logits = engine.decode(int(t))
+    return logits
+
+
+def state_of(engine: LayeredEngine) -> dict:
+    """The committed state, exactly (DeviceState.to_reference: the conv rings' last K-1 positions, the recurrent
+    states, the K/V rows below the position)."""
+    ref = engine.state.to_reference()
+    return {"position": ref.position, **{f"{t}{i}": a.copy() for t in ("conv", "recurrent", "keys", "values")
+                                         for i, a in getattr(ref, t).items()}}
+
+
+def test_the_emulated_step_decodes_as_the_reference(engine):
+    tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, 11)
+    ref = State()
+    expected = [decode_step(WEIGHTS, CFG, int(t), ref) for t in tokens]
+    engine.reset()
+    got = [*engine.run(tokens[:4])[0], *engine.run(tokens[4:6])[0], *(engine.decode(int(t)) for t in tokens[6:])]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert relative_error(g, e) < STEP_RTOL, f"position {i}"
+    assert engine.step.graphs, "the steps ran as captured graphs"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parents=trees, prefix=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, parents, prefix, seed):
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, CFG.vocab_size, prefix)
+    tokens = rng.integers(0, CFG.vocab_size, len(parents))
+    after(engine, context)
+    verifier = engine.verifier()
+    logits = verifier.forward(tokens, parents)
+    assert engine.position == prefix
+    for n in range(len(parents)):
+        np.testing.assert_array_equal(logits[n], after(engine, context, tokens[ancestry(parents, n)]),
+                                      err_msg=f"node {n} of {list(parents)}")
+    verifier.free()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parents=trees, prefix=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_a_commit_leaves_the_state_of_decoding_the_path(engine, parents, prefix, seed):
+    rng = np.random.default_rng(seed)
+    context = rng.integers(0, CFG.vocab_size, prefix)
+    tokens = rng.integers(0, CFG.vocab_size, len(parents))
+    path = ancestry(parents, int(rng.integers(0, len(parents))))
+    nxt = int(rng.integers(0, CFG.vocab_size))
+    after(engine, context)
+    verifier = engine.verifier()
+    verifier.forward(tokens, parents)
+    verifier.commit(path)
+    committed, logits = state_of(engine), engine.decode(nxt)
+    after(engine, context, tokens[path])
+    for name, a in state_of(engine).items():
+        np.testing.assert_array_equal(committed[name], a, err_msg=name)
+    np.testing.assert_array_equal(logits, engine.decode(nxt))
+    verifier.free()
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(engine, chain):
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 5)]
+    n = 24
+    plain = [int(np.argmax(after(engine, prompt)))]
+    while len(plain) < n:
+        plain.append(int(np.argmax(engine.decode(plain[-1]))))
+    engine.speculation = Speculation(oracle_draft(plain, len(prompt), CFG.vocab_size, accuracy=0.8, seed=4),
+                                     depth=6, budget=12, chain=chain)
+    out, rounds, greedy = [int(np.argmax(after(engine, prompt)))], 0, Sampler(SamplingParams(temperature=0))
+    while len(out) < n:
+        out += engine.speculate([*prompt, *out], n - len(out), greedy)
+        rounds += 1
+    assert isinstance(engine._verifier, TreeVerifier)
+    assert out == plain
+    assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the draft's tokens were not accepted"
+
+
+def test_the_verifier_says_what_is_wrong(engine):
+    after(engine, [1, 2, 3])
+    v = engine.verifier()
+    with pytest.raises(ValueError, match="commit\\(\\) before forward"):
+        v.commit([0])
+    with pytest.raises(ValueError, match="3 tokens but 2 parents"):
+        v.forward([1, 2, 3], [-1, 0])
+    with pytest.raises(ValueError, match="parents\\[2\\] = 2"):
+        v.forward([1, 2, 3], [-1, 0, 2])
+    with pytest.raises(ValueError, match="1 .. 65 tokens"):
+        v.forward([1] * 66, [-1, *range(65)])
+    with pytest.raises(ValueError, match="token ids"):
+        v.forward([1, CFG.vocab_size], [-1, 0])
+    v.forward([1, 2, 3], [-1, 0, 0])
+    with pytest.raises(ValueError, match="not a child"):
+        v.commit([0, 1, 2])
+    engine.reset()
+    engine.prefill(list(range(120)))
+    with pytest.raises(ContextOverflow, match="exceed the context of 128"):
+        v.forward([1] * 9, [-1, *range(8)])
+    v.free()
