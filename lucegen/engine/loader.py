@@ -7,7 +7,8 @@ backend that is planned but not written yet. The cuda backend runs the decode me
 (bf16) and the layer-by-layer step (engine/layered.py) otherwise, e.g. for a GGUF file. A DFlash draft (--draft)
 runs on the numpy reference on either backend, reading the target's features from a numpy forward of the context
 (a host copy of the target's weights on the cuda backend); the cuda backend verifies its trees node by node
-through its own decode step (lucegen/spec_decode/device.py).
+through the megakernel's decode step (lucegen/spec_decode/device.py), or in one forward of the layer-by-layer step
+(lucegen/engine/layered_verify.py).
 """
 from __future__ import annotations
 
