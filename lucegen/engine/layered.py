@@ -90,9 +90,9 @@ class LayeredStep:
             raise ValueError(f"{cfg.name}: the layer-by-layer step takes models with both DeltaNet and attention "
                              f"layers")
         self.spec, self.weights, self.state, self.max_tokens = spec, weights, state, max_tokens
-        self.rows = max(max_tokens, spec.tuning.ddtree.budget + 1)
-        if self.rows > qgemv.VERIFY_ROWS:
-            raise ValueError(f"a step of {self.rows} rows; the projections reserve activations for at most "
+        self.max_rows = max(max_tokens, spec.tuning.ddtree.budget + 1)
+        if self.max_rows > qgemv.VERIFY_ROWS:
+            raise ValueError(f"a step of {self.max_rows} rows; the projections reserve activations for at most "
                              f"{qgemv.VERIFY_ROWS} (qgemv.VERIFY_ROWS)")
         result = build(spec, cfg, units(spec, cfg, weights), root=root)
         mod = lambda name: result.module(name)
@@ -107,7 +107,7 @@ class LayeredStep:
         self.argmax = argmax.Argmax(mod("argmax"), spec)
         self.stream = Stream()
         self.graphs: dict[tuple, Graph] = {}
-        self._allocate(self.rows)
+        self._allocate(self.max_rows)
 
     def _allocate(self, n: int) -> None:
         c, W = self.cfg, self.weights

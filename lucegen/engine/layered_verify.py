@@ -83,8 +83,7 @@ class TreeVerifier:
         if s.state.position + n > s.state.max_context:
             raise ContextOverflow(f"a tree of {n} nodes after {s.state.position} tokens: its K/V rows exceed the "
                                   f"context of {s.state.max_context}")
-        s.wait()  # the tree's upload rewrites buffers that earlier launches read
-        t = self.mixer.tree = s.tree.tree(parents)
+        t = self.mixer.tree = s.tree.tree(parents, stream=s.stream)  # in order with the launches on the stream
         s.upload(ids)
         s.replay((self, "tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
         s.wait()
@@ -94,7 +93,7 @@ class TreeVerifier:
         s, t = self.step, self.mixer.tree
         if t is None:
             raise ValueError("tree verify: commit() before forward()")
-        length = s.tree.set_path(t, path)
+        length = s.tree.set_path(t, path, stream=s.stream)
         s.replay((self, "commit", t.n, length), lambda stream: self.mixer.commit(length, stream))
         s.wait()
         s.state.position += length

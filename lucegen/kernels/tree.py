@@ -252,8 +252,9 @@ class TreeKernels:
     keeps its position on the device so that its captured graphs replay at any position. A round:
     t = tree(parents) (one upload, shared by every layer), per layer deltanet / attention_kv + attention, then
     set_path(t, path) and per layer deltanet_commit / kv_commit. The decode step is the 1-node tree, uploaded once:
-    decode_deltanet and decode_attention, one launch each (its K/V row is row start: nothing to commit). Uploads are synchronous
-    copies into fixed buffers, so a round's launches must be done before the next tree() or set_path()."""
+    decode_deltanet and decode_attention, one launch each (its K/V row is row start: nothing to commit). Uploads go
+    into fixed buffers: on the stream of the launches (pageable copies: the host array may go at once), or
+    synchronous copies, when a round's launches must be done before the next tree() or set_path()."""
 
     def __init__(self, module, cfg: ModelConfig, spec: ChipSpec):
         from ..runtime import DeviceArray
@@ -281,8 +282,9 @@ class TreeKernels:
         at = lambda i: self.ints.view(n, np.int32, 4 * (first + i * stride))
         return DeviceTree(n, levels, np.asarray(parents, np.int32), at(0), at(1), at(2))
 
-    def tree(self, parents: Sequence[int]) -> DeviceTree:
-        """Upload a round's tree (validated; at most the budget + 1 nodes)."""
+    def tree(self, parents: Sequence[int], stream=None) -> DeviceTree:
+        """Upload a round's tree (validated; at most the budget + 1 nodes); on `stream`, in order with the
+        launches there, else a synchronous copy."""
         if len(parents) > self.max_nodes:
             raise ValueError(f"tree: {len(parents)} nodes; {self.spec.name}'s kernels take at most {self.max_nodes} "
                              f"(DDTree budget {self.max_nodes - 1} + root)")
@@ -290,13 +292,13 @@ class TreeKernels:
         codes, levels = schedule(parents)
         t = self._views(len(parents), levels, parents, 0, self.max_nodes)
         for view, a in ((t.d_parents, t.parents), (t.d_depth, depth), (t.d_schedule, codes)):
-            view.copy_from(a)
+            view.copy_from(a, stream=stream)
         return t
 
-    def set_path(self, tree: DeviceTree, path: Sequence[int]) -> int:
-        """Upload the accepted path (root first) for the commits; returns its length."""
+    def set_path(self, tree: DeviceTree, path: Sequence[int], stream=None) -> int:
+        """Upload the accepted path (root first) for the commits (on `stream` as tree()); returns its length."""
         check_path(tree.parents, path)
-        self.path.view(len(path), np.int32).copy_from(np.asarray(path, np.int32))
+        self.path.view(len(path), np.int32).copy_from(np.asarray(path, np.int32), stream=stream)
         return len(path)
 
     def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, steps, levels, codes,
