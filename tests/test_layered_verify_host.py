@@ -150,3 +150,23 @@ def test_the_verifier_says_what_is_wrong(engine):
     with pytest.raises(ContextOverflow, match="exceed the context of 128"):
         v.forward([1] * 9, [-1, *range(8)])
     v.free()
+
+
+def test_the_speculative_bench_times_the_verify_per_budget(engine, tmp_path):
+    """lucegen.bench.speculative.verify on the emulated step: spec_verify_ms per budget whose tree fits, against
+    the decode step; a budget past the spec's says it is skipped."""
+    import json
+
+    from lucegen.bench import speculative
+    from lucegen.bench.results import Recorder
+    out = tmp_path / "r.jsonl"
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, CFG.vocab_size, 6)]
+    target = [int(t) for t in np.random.default_rng(4).integers(0, CFG.vocab_size, 20)]
+    speculative.verify(Recorder("CPU", out=out, command="test"), engine, "emulated", prompt, target, (2, 8, 70), 1)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    step = next(r for r in rows if r["metric"] == "decode_step_ms")
+    verify = {r["budget"]: r for r in rows if r["metric"] == "spec_verify_ms"}
+    assert sorted(verify) == [2, 8]  # budget 70: more nodes than h200's 64 + root
+    for b, r in verify.items():
+        assert r["nodes"] == b + 1 and r["verifier"] == "TreeVerifier" and r["limit"] == step["value"] > 0
+    assert all(key[0] is engine.step for key in engine.step.graphs)  # the freed verifier dropped its graphs

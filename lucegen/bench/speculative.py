@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from ..engine.generate import Generation, generate
 from ..engine.loader import model_name
+from ..engine.numpy_backend import NumpyEngine
 from ..engine.sampling import Sampler, SamplingParams
 from ..reference.model import State, prefill
 from ..spec import DDTreeTuning
@@ -54,8 +55,8 @@ def _median_ms(fn: Callable[[], object], repeat: int) -> float:
 def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int], draft: Speculation,
           label: str, repeat: int) -> None:
     """Per-part cost of one round after the prompt and the first output token, on the numpy backend's functions."""
-    if not hasattr(engine, "weights") or not hasattr(engine, "speculate"):
-        print(f"  per-part costs: the numpy backend's functions only; {name} skipped")
+    if not isinstance(engine, NumpyEngine):
+        print(f"  per-part costs: the numpy backend's functions only; {name} skipped (its verify: spec_verify_ms)")
         return
     weights, cfg = engine.weights, engine.config
     committed = State()
