@@ -64,7 +64,8 @@ struct TreeDeltaNetSmem {
 // Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
 // on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
 // barrier. With `commit` the final state is written back and the ring updated. `ints` holds 3 MAX_NODES +
-// MAX_NODES (K-1) ints of shared memory (the tree's parents, depth and schedule, each step's window), `flag` one.
+// MAX_NODES K ints of shared memory (the tree's parents, depth and schedule, each step's window and ring slot),
+// `flag` one.
 template <class M, int THREADS, int MAX_NODES>
 __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
@@ -84,6 +85,8 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     int* schedule = depth + MAX_NODES;
     int* windows = schedule + MAX_NODES;  // [steps][K-1] sources, oldest first: a row of mixed (>= 0), a ring slot
                                           // s (-2 - s) or nothing (-1: before the sequence)
+    int* slots = windows + MAX_NODES * (K - 1);  // [steps] the ring slot of each step's position (the commit's; kept
+                                                 // here, the position need not stay in a register to the end)
     float S[P::WARP_COLS][P::LANE_ROWS];
     deltanet_load_state<M, THREADS>(S, state, T.start > 0);  // first: the latency overlaps the fronts
     for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
@@ -99,6 +102,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
             a = a >= 0 ? parents[a] : -1;
             windows[s * (K - 1) + K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
         }
+        slots[s] = pos % K;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < steps * F; e += THREADS) {
@@ -154,7 +158,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps).
     if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
         for (int s = max(0, steps - K); s < steps; ++s) {
-            const int node = step_node(schedule[s]), slot = (T.start + depth[node]) % K;
+            const int node = step_node(schedule[s]), slot = slots[s];
             for (int c = threadIdx.x; c < C; c += THREADS)
                 T.conv_ring[(size_t)slot * C + c] = load_coherent(T.mixed + (size_t)node * T.stride + c);
         }
