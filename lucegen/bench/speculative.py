@@ -85,6 +85,15 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
           f"(tree of {len(tree.tokens)} nodes)")
 
 
+def fitting(engine, budgets: Sequence[int]) -> list[int]:
+    """The budgets whose trees (budget + the root) the engine's verifier takes; the others said to be skipped."""
+    most = getattr(engine, "max_tree_nodes", None)
+    for b in budgets:
+        if most is not None and b + 1 > most:
+            print(f"  budget {b} skipped: {type(engine).__name__} verifies trees of at most {most} nodes")
+    return [b for b in budgets if most is None or b + 1 <= most]
+
+
 def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int],
            budgets: Sequence[int], repeat: int) -> None:
     """The engine's verifier (the tree verifier of the layer-by-layer step, node by node on the megakernel's)
@@ -98,13 +107,9 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         context = [*prompt_ids, target[0]]
         draft = oracle_draft(target, len(prompt_ids), engine.config.vocab_size, accuracy=SWEEP_ACCURACY, seed=1)
         logprobs = draft(context, DEPTH)
-        most = getattr(verifier, "max_nodes", None)
         times = {}
-        for b in budgets:
+        for b in fitting(engine, budgets):
             tree = build_tree(logprobs, b, root=context[-1])
-            if most is not None and len(tree.tokens) > most:
-                print(f"  verify: budget {b} skipped ({type(verifier).__name__} takes trees of at most {most} nodes)")
-                continue
             verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
             times[b] = (len(tree.tokens), _median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
         step_ms = _median_ms(lambda: engine.decode(target[0]), repeat * 4)
@@ -171,7 +176,7 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
         for mode in ("ddtree", "chain"):
             speculative(f"{mode}_tok_s_al{a}", draft_fn, budget, mode == "chain", a,
                         draft=f"oracle, {a - 1} right a round")
-    for b in budgets:
+    for b in fitting(engine, budgets):
         speculative(f"ddtree_tok_s_b{b}", oracle_draft(target, len(prompt_ids), vocab, accuracy=SWEEP_ACCURACY,
                                                        seed=1), b,
                     draft=f"oracle, right with probability {SWEEP_ACCURACY}, else second")

@@ -286,6 +286,10 @@ class LayeredEngine(Speculating):
     def decode(self, token: int) -> np.ndarray:
         return self.run([token])[0][0]
 
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.step.tree.max_nodes  # the spec's DDTree budget + the root
+
     def verifier(self):
         """The whole tree in one forward of the step, through the kernels it decodes with."""
         from .layered_verify import TreeVerifier  # here: it imports this module

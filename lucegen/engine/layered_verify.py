@@ -73,7 +73,6 @@ class TreeVerifier:
 
     def __init__(self, step: LayeredStep):
         self.step, self.mixer = step, TreeMixer(step)
-        self.max_nodes = step.tree.max_nodes  # the spec's DDTree budget + the root
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         s, n = self.step, len(tokens)

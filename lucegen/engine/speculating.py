@@ -14,6 +14,7 @@ class Speculating:
     """Mixed into an engine with .state (DeviceState), .position, .max_context and decode(token). With
     `speculation` set (lucegen.spec_decode.decode.Speculation), generate() runs speculate() rounds."""
     speculation = None
+    max_tree_nodes: int | None = None  # the most nodes its verifier takes in a tree (None: any number)
     _verifier = None
 
     def speculate(self, context_ids: Sequence[int], max_new: int, sampler: Sampler) -> list[int]:
