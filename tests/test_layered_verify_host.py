@@ -170,3 +170,18 @@ def test_the_speculative_bench_times_the_verify_per_budget(engine, tmp_path):
     for b, r in verify.items():
         assert r["nodes"] == b + 1 and r["verifier"] == "TreeVerifier" and r["limit"] == step["value"] > 0
     assert all(key[0] is engine.step for key in engine.step.graphs)  # the freed verifier dropped its graphs
+
+
+def test_speculation_at_the_end_of_the_context_shrinks_the_tree_to_fit(engine):
+    """A tree's nodes each hold a K/V row after the committed ones: near the end of the context the rounds take
+    smaller budgets, and generation runs to the last position with plain greedy's tokens."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, CFG.vocab_size, 100)]
+    n = engine.max_context - len(prompt)
+    plain = [int(np.argmax(after(engine, prompt)))]
+    while len(plain) < n:
+        plain.append(int(np.argmax(engine.decode(plain[-1]))))
+    engine.speculation = Speculation(oracle_draft(plain, len(prompt), CFG.vocab_size, seed=6), depth=6, budget=40)
+    out, greedy = [int(np.argmax(after(engine, prompt)))], Sampler(SamplingParams(temperature=0))
+    while len(out) < n:
+        out += engine.speculate([*prompt, *out], n - len(out), greedy)
+    assert out == plain and engine.position == engine.max_context - 1

@@ -5,6 +5,7 @@ whole tree in one forward (LayeredEngine: lucegen.engine.layered_verify.TreeVeri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .base import ContextOverflow
 from .sampling import Sampler
@@ -14,7 +15,7 @@ class Speculating:
     """Mixed into an engine with .state (DeviceState), .position, .max_context and decode(token). With
     `speculation` set (lucegen.spec_decode.decode.Speculation), generate() runs speculate() rounds."""
     speculation = None
-    max_tree_nodes: int | None = None  # the most nodes its verifier takes in a tree (None: any number)
+    max_tree_nodes: int | None = None  # a verifier taking trees of at most this many nodes, a K/V row each (None: any)
     _verifier = None
 
     def speculate(self, context_ids: Sequence[int], max_new: int, sampler: Sampler) -> list[int]:
@@ -26,7 +27,11 @@ class Speculating:
                                   f"{self.max_context} tokens")
         if self._verifier is None:
             self._verifier = self.verifier()
-        return self.speculation.round(self._verifier, context_ids, max_new, sampler)
+        speculation = self.speculation
+        room = self.max_context - self.position - 1  # nodes below the root whose K/V rows fit the context
+        if self.max_tree_nodes is not None and speculation.budget > room:  # a verifier with a row per node
+            speculation = replace(speculation, budget=room)
+        return speculation.round(self._verifier, context_ids, max_new, sampler)
 
     def verifier(self):
         """A new Verifier (lucegen.spec_decode.decode) of this engine's sequence: node by node through decode()."""
