@@ -10,25 +10,6 @@ from lucegen.bench import prompts
 from lucegen.bench.results import Recorder
 from lucegen.cli import main
 from lucegen.engine import SamplingParams, generate, load_model
-from lucegen.model.checkpoint import make_checkpoint
-from lucegen.model.config import tiny_config
-from lucegen.model.draft import write_draft
-from lucegen.model.draft_config import tiny_draft_config
-from lucegen.reference.dflash import random_draft_weights
-
-TARGET = tiny_config()
-DRAFT = tiny_draft_config(TARGET)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), TARGET, peaked=True, formats=("hf",),
-                           progress=False)["hf"]
-
-
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory):
-    return write_draft(tmp_path_factory.mktemp("draft"), DRAFT, random_draft_weights(DRAFT, seed=3))
 
 
 @pytest.mark.parametrize("name", sorted(prompts.SETS))

@@ -10,7 +10,6 @@ import pytest
 from lucegen.bench import speculative
 from lucegen.bench.results import Recorder
 from lucegen.engine import SamplingParams, generate, load_model
-from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.spec_decode import Speculation, oracle_draft
 
@@ -48,12 +47,6 @@ def test_budget_sweep_and_parts_are_recorded(records):
     assert parts["verify"]["limit"] == pytest.approx(records["decode_step_ms"]["value"], rel=1e-3)
     for r in records.values():
         assert r["gpu"] == "CPU" and r["command"] == "test" and r["commit"] and r["date"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), TARGET, peaked=True, formats=("hf",),
-                           progress=False)["hf"]
 
 
 def test_oracle_run_accepts_run_tokens_each_round(checkpoint):

@@ -9,7 +9,7 @@ from lucegen.codegen import nvrtc
 from lucegen.codegen.build import build
 from lucegen.kernels import all_units
 from lucegen.model.config import load_config, tiny_config
-from lucegen.spec import all_specs, list_specs, load_spec
+from lucegen.spec import list_specs, load_spec
 
 
 @pytest.mark.parametrize("spec_name", list_specs())

@@ -22,7 +22,7 @@ from lucegen.reference.dflash import (
 )
 from lucegen.spec_decode import speculative_generate
 
-DRAFT_JSON = Path("/work/shared/models/qwen3.5-27b-dflash-draft.config.json")
+DRAFT_JSON = Path(__file__).resolve().parents[1] / "lucegen" / "model" / "configs" / "drafts" / "qwen3.5-27b-dflash-draft.json"
 TARGET = tiny_config()
 TARGET_W = random_weights(TARGET, seed=1)
 DRAFT = tiny_draft_config(TARGET)

@@ -13,7 +13,6 @@ from safetensors.numpy import load_file, save_file
 from lucegen.cli import main
 from lucegen.engine import SamplingParams, generate, load_model
 from lucegen.engine.loader import LoadError
-from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.model.draft import load_draft, write_draft
 from lucegen.model.draft_config import tiny_draft_config
@@ -24,17 +23,6 @@ from serving import running
 
 TARGET = tiny_config()
 DRAFT = tiny_draft_config(TARGET)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), TARGET, peaked=True, formats=("hf",),
-                           progress=False)["hf"]
-
-
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory):
-    return write_draft(tmp_path_factory.mktemp("draft"), DRAFT, random_draft_weights(DRAFT, seed=3))
 
 
 @pytest.fixture(params=["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -17,12 +17,6 @@ from lucegen.runtime import gpu_available
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config(), peaked=True, formats=("hf",),
-                           progress=False)["hf"]
-
-
-@pytest.fixture(scope="module")
 def model(checkpoint):
     return load_model(checkpoint)
 

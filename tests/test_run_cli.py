@@ -9,17 +9,9 @@ import pytest
 
 from lucegen import reference
 from lucegen.cli import main
-from lucegen.model.checkpoint import make_checkpoint
-from lucegen.model.config import tiny_config
 from lucegen.model.tokenizer import Tokenizer
 from lucegen.model.weights import open_weights
 from lucegen.runtime import gpu_available
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config(), peaked=True, formats=("hf",),
-                           progress=False)["hf"]
 
 
 def reference_text(checkpoint, prompt: str, max_tokens: int) -> tuple[str, int]:

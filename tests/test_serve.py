@@ -20,20 +20,12 @@ import pytest
 
 from lucegen import reference
 from lucegen.engine import load_model
-from lucegen.model.checkpoint import make_checkpoint
-from lucegen.model.config import tiny_config
 from lucegen.model.weights import open_weights
 from lucegen.serve.app import create_app
 from serving import free_socket, running
 
 KEY = "test-key"
 NAME = "tiny-test"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config(), peaked=True, formats=("hf",),
-                           progress=False)["hf"]
 
 
 class Spy:

@@ -2,10 +2,11 @@
 """HF transformers' float32 Qwen3_5ForCausalLM (eager attention, torch DeltaNet ops: tools/hf_parity.py's hf_model)
 on one prompt, in a process of its own: the last token's logits.
 
-    hf_logits.py CONFIG_JSON WEIGHTS_NPZ IDS_NPY OUT_NPY [--device cuda|cpu]
+    hf_logits.py CONFIG_JSON WEIGHTS IDS_NPY OUT_NPY [--device cuda|cpu]
 
 CONFIG_JSON  an HF config.json (ModelConfig.to_hf_dict())
-WEIGHTS_NPZ  the model's weights by HF name without the "model." prefix (as lucegen.reference holds them), float32
+WEIGHTS      a .safetensors file: the model's weights by HF name without the "model." prefix (as lucegen.reference
+             holds them), float32 (not .npz: numpy failed to read back a 3 GB npz of the 0.8B's weights there)
 IDS_NPY      the prompt's token ids, int [T]
 OUT_NPY      written: float32 [vocab], the logits of the prompt's last token
 
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,8 +42,7 @@ def main(argv=None) -> int:
     import torch
 
     cfg = load_config(args.config)
-    with np.load(args.weights) as f:
-        weights = {name: f[name] for name in f.files}
+    weights = load_file(str(args.weights))
     ids = np.load(args.ids).astype(np.int64).reshape(-1)
     model = hf_model(cfg, weights, args.device)
     del weights

@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """Train the tiny pair's tokenizer: a byte-level BPE of VOCAB ids on the stdlib training files (pycode_corpus).
 
-    python3 tools/make_pycode_tokenizer.py [--out lucegen/models/tiny-pycode/target] [--check-encoder]
+    python3 tools/make_pycode_tokenizer.py [--out lucegen/models/tiny-pycode/target]
 
 256 byte tokens, merges up to VOCAB - 6, then the 5 Qwen special tokens the chat template needs
 (lucegen.model.tokenizer.TEST_SPECIAL_TOKENS) and MASK_TOKEN, the DFlash draft's mask id (the last id). Writes
 tokenizer.json + tokenizer_config.json. Deterministic for a given corpus and `tokenizers` version; it is run once
-here and its files are committed, so the GPU machine only reads them. --check-encoder compares the pure-Python
-encoder the training script falls back to (pycode_corpus.PurePythonBPE) with `tokenizers` on the corpus.
+here and its files are committed, so the GPU machine only reads them.
 """
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lucegen.model.tokenizer import Tokenizer, byte_level_tokenizer, tokenizer_config  # noqa: E402
-from pycode_corpus import PurePythonBPE, corpus_files  # noqa: E402
+from lucegen.model.tokenizer import byte_level_tokenizer, tokenizer_config  # noqa: E402
+from pycode_corpus import corpus_files  # noqa: E402
 from tokenizers import AddedToken  # noqa: E402
 
 VOCAB = 2048
@@ -27,19 +26,9 @@ MASK_TOKEN = "<|mask|>"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "lucegen" / "models" / "tiny-pycode" / "target"
 
 
-def check_encoder(directory: Path) -> None:
-    tok = Tokenizer.from_dir(directory)
-    pure = PurePythonBPE(json.loads((directory / "tokenizer.json").read_text()))
-    files = corpus_files() + corpus_files(held_out=True)
-    differ = [rel for rel, text in files if pure.encode(text) != tok.backend.encode(text).ids]
-    print(f"pure-Python encoder: {len(files) - len(differ)}/{len(files)} files tokenized exactly as `tokenizers`"
-          + (f"; differ: {differ[:5]}" if differ else ""))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--check-encoder", action="store_true")
     args = ap.parse_args()
     start = time.perf_counter()
     files = corpus_files()
@@ -54,8 +43,6 @@ def main() -> int:
     n_bytes = sum(len(t.encode()) for _, t in files)
     print(f"{args.out}: {VOCAB} ids from {len(files)} files ({n_bytes / 1e6:.1f} MB -> {n_tokens / 1e6:.2f} M "
           f"tokens, {n_bytes / n_tokens:.2f} bytes per token) in {time.perf_counter() - start:.0f} s")
-    if args.check_encoder:
-        check_encoder(args.out)
     return 0
 
 

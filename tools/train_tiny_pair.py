@@ -35,7 +35,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TOOLS.parent), str(TOOLS)]
 from lucegen.model.config import tiny_config  # noqa: E402
 from lucegen.model.draft_config import DraftConfig  # noqa: E402
-from pycode_corpus import SEPARATOR, PurePythonBPE, corpus_files  # noqa: E402
+from pycode_corpus import SEPARATOR, corpus_files  # noqa: E402
 
 TOKENIZER_DIR = TOOLS.parent / "lucegen" / "models" / "tiny-pycode" / "target"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -76,17 +76,10 @@ def log(msg: str, t0: float = time.perf_counter()) -> None:
 # ---- data ------------------------------------------------------------------------------------------------------
 def tokenize(files: list[tuple[str, str]]) -> tuple[np.ndarray, dict[str, int]]:
     """All files, each followed by the separator, as one int32 array; and the special ids."""
-    spec = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
-    try:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_str(json.dumps(spec))
-        encode_all = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
-        token_to_id = tok.token_to_id
-    except ImportError:
-        log("`tokenizers` is not installed: using the pure-Python encoder")
-        pure = PurePythonBPE(spec)
-        encode_all = lambda texts: [pure.encode(t) for t in texts]  # noqa: E731
-        token_to_id = pure.token_to_id
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    encode_all = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+    token_to_id = tok.token_to_id
     special = {"sep": token_to_id(SEPARATOR), "mask": token_to_id("<|mask|>")}
     ids = [i for seq in encode_all([text for _, text in files]) for i in (*seq, special["sep"])]
     return np.asarray(ids, np.int32), special

@@ -286,7 +286,7 @@ def _eos_token_ids(backend: tokenizers.Tokenizer, eos_token: str | None, directo
 
 
 # ---- building tokenizers -------------------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, the alphabet of byte-level BPE vocabularies."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = {b: chr(b) for b in printable}
@@ -321,7 +321,7 @@ def byte_level_tokenizer(vocab_size: int, train_text: str | None = None) -> toke
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer: it needs 256 byte "
                          f"tokens + {len(TEST_SPECIAL_TOKENS)} special tokens = {smallest}")
     if train_text is None:
-        model = models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[])
+        model = models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[])
         return _qwen_pipeline(model, QWEN3_5_PAT_STR, TEST_SPECIAL_TOKENS)
     tok = _qwen_pipeline(models.BPE(), QWEN3_5_PAT_STR, ())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TEST_SPECIAL_TOKENS), show_progress=False,
@@ -389,7 +389,7 @@ def _convert_tiktoken(ranks_data: bytes, pattern: str, specials: Sequence[tuple[
     """
     ranks = {base64.b64decode(token): int(rank)
              for token, rank in (line.split() for line in ranks_data.splitlines() if line)}
-    to_text = _bytes_to_unicode()
+    to_text = bytes_to_unicode()
 
     def text(token: bytes) -> str:
         return "".join(to_text[b] for b in token)

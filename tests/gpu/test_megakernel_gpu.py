@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from lucegen.engine.decode import DecodeEngine
 from lucegen.kernels import conv1d
 from lucegen.kernels.megakernel import PHASE_KINDS, reference_weights
-from lucegen.model.config import FULL, LINEAR, load_config, tiny_config
+from lucegen.model.config import LINEAR, load_config, tiny_config
 from lucegen.reference import State, decode_step, generate, prefill, random_weights, relative_error
 from lucegen.reference.attention import causal_attention
 from lucegen.reference.deltanet import recurrent_gated_delta_rule

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -443,9 +444,9 @@ def hf_last_logits(cfg, weights: dict[str, np.ndarray], ids: np.ndarray, tmp: Pa
     custom ops: "expected ident but found ')' here: annotate(strtag) -> ()")."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         pytest.skip("HF comparison needs torch and transformers")
-    paths = {name: tmp / name for name in ("config.json", "weights.npz", "ids.npy", "logits.npy")}
+    paths = {name: tmp / name for name in ("config.json", "weights.safetensors", "ids.npy", "logits.npy")}
     paths["config.json"].write_text(json.dumps(cfg.to_hf_dict()))
-    np.savez(paths["weights.npz"], **weights)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(paths["weights.safetensors"]))
     np.save(paths["ids.npy"], np.asarray(ids, np.int64))
     proc = subprocess.run([sys.executable, str(HF_LOGITS), *map(str, paths.values()), "--device", "cuda"],
                           check=False, capture_output=True, text=True, timeout=900, cwd=HF_LOGITS.parents[1])
