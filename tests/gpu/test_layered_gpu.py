@@ -1,7 +1,9 @@
 """The layer-by-layer step (lucegen/engine/layered.py) on the GPU against the numpy reference, on a scaled-down
 Qwen3.5 with the 27B's head ratios and head dims (3 DeltaNet value heads per key head, 6 query heads per kv head,
-128-wide heads) read from GGUF Q4_K_M-mix and bf16 HF checkpoints written by lucegen.model.checkpoint; and its
-row kernels against their numpy references.
+128-wide heads) read from GGUF Q4_K_M-mix and bf16 HF checkpoints written by lucegen.model.checkpoint; its row
+kernels against their numpy references; and its tree verifier (lucegen/engine/layered_verify.py) against the step
+itself, bit for bit: a node's logits are decoding it after its ancestors, a commit is decoding the accepted path
+(the step decodes with the same tree kernels, so any difference is a bug, not rounding).
 
 The reference runs on the checkpoint's own values (the GGUF dequantized; HF bf16 as float32), so weights are no
 source of error. Outputs and the state are poisoned (all bits set: NaN) before the runs, so an element a kernel
@@ -265,12 +267,14 @@ def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray | None:
     return logits
 
 
-@pytest.mark.parametrize("tree_name", ["branches", "full"])
-def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(gguf, tree_name):
+@pytest.mark.parametrize("fmt,tree_name", [("gguf", "branches"), ("gguf", "full"), ("hf", "branches")])
+def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(gguf, tmp_path_factory, fmt, tree_name):
     """Every node's logits from one forward over the tree equal those of decoding its ancestors and itself one
-    by one after the committed prompt; "full": a tree of the spec's whole DDTree budget + the root."""
-    weights, _ = gguf
+    by one after the committed prompt; "full": a tree of the spec's whole DDTree budget + the root. A GGUF runs the
+    tree kernels in llama.cpp's tiled value-head order, an HF checkpoint in HF's grouped one."""
+    weights, _ = gguf if fmt == "gguf" else checkpoint(tmp_path_factory, "hf", peaked=False)
     engine = LayeredEngine(weights, RATIO3_Q, max_context=256, chunk=8)
+    assert engine.weights.tiled == (fmt == "gguf")
     parents = TREE if tree_name == "branches" else random_tree(engine.step.tree.max_nodes, 7)
     rng = np.random.default_rng(8)
     context = rng.integers(0, RATIO3_Q.vocab_size, 21)
