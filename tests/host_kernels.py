@@ -2,7 +2,7 @@
 family's numpy reference, applied to exactly the arguments the kernel would get. Buffers keep the dtypes the
 driver gives them (bf16 activations, KV), so this is also a numpy emulation of the GPU prefill's rounding points.
 Used by tests/test_prefill_host.py (the driver without a GPU) and tests/gpu/test_prefill_gpu.py (the bf16 error a
-correct kernel set has on a given case)."""
+correct kernel set has on a given case), which also share the state comparison below."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +13,7 @@ import numpy as np
 
 import lucegen.engine.prefill as prefill_mod
 from lucegen.kernels import attention, conv1d, gdn, gemm, rows
+from lucegen.reference import State, relative_error
 from lucegen.runtime.memory import DeviceArray
 
 
@@ -159,3 +160,22 @@ def on_host(monkeypatch):
                                    module=lambda name: HostModule(cfg))
         m.setattr(prefill_mod, "build", fake_build)
         yield
+
+
+def state_errors(dev_state, ref: State) -> dict[str, float]:
+    """The relative error of every state table of every layer of a DeviceState against the reference's State."""
+    got = dev_state.to_reference()
+    assert got.position == ref.position
+    out = {}
+    for table in ("conv", "recurrent", "keys", "values"):
+        mine, theirs = getattr(got, table), getattr(ref, table)
+        assert mine.keys() == theirs.keys(), table
+        for i in theirs:
+            assert np.isfinite(mine[i]).all(), f"non-finite {table} of layer {i} (unwritten or NaN)"
+            out[f"{table} of layer {i}"] = relative_error(mine[i], theirs[i])
+    return out
+
+
+def assert_state_close(dev_state, ref: State, rtol: float) -> None:
+    for what, error in state_errors(dev_state, ref).items():
+        assert error < rtol, f"{what}: {error:.2e}"

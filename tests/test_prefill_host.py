@@ -22,7 +22,7 @@ from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
 from lucegen.runtime.memory import DeviceArray
 from lucegen.spec import load_spec
-from host_kernels import on_host
+from host_kernels import assert_state_close, on_host
 
 BF16 = ml_dtypes.bfloat16
 TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
@@ -49,16 +49,6 @@ def reference_last_logits(w, ids, state: State) -> np.ndarray:
         x = decoder_layer(w, TINY, i, x, state)
     state.position += len(ids)
     return rms_norm(x[-1], w["norm.weight"], TINY.rms_norm_eps) @ lm_head(w).T
-
-
-def assert_state_close(dev: DeviceState, ref: State, rtol: float) -> None:
-    got = dev.to_reference()
-    assert got.position == ref.position
-    for table in ("conv", "recurrent", "keys", "values"):
-        mine, theirs = getattr(got, table), getattr(ref, table)
-        assert mine.keys() == theirs.keys(), table
-        for i in theirs:
-            assert relative_error(mine[i], theirs[i]) < rtol, f"{table} of layer {i}"
 
 
 def test_the_unit_list_covers_every_kernel_the_driver_launches():

@@ -42,7 +42,7 @@ from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
-from host_kernels import on_host
+from host_kernels import assert_state_close, on_host, state_errors
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -332,16 +332,6 @@ def run(engine_and_weights, state: DeviceState, ids) -> np.ndarray:
     return logits
 
 
-def assert_state_close(dev_state: DeviceState, ref: State, rtol: float) -> None:
-    got = dev_state.to_reference()
-    assert got.position == ref.position
-    for table in ("conv", "recurrent", "keys", "values"):
-        mine, theirs = getattr(got, table), getattr(ref, table)
-        assert mine.keys() == theirs.keys(), table
-        for i in theirs:
-            assert rel_err(mine[i], theirs[i]) < rtol, f"{table} of layer {i}"
-
-
 @pytest.mark.parametrize("model, T", [(m, T) for m in ("tiny", "0.8b") for T in (1, 63, 64, 65, 520, 4097)])
 def test_prefill_matches_the_reference(engine, model, T):
     cfg, w = MODELS[model](), model_weights(model)
@@ -388,14 +378,6 @@ def test_chunked_prefill_equals_one_shot(engine, model):
     one.free(), two.free()
 
 
-def state_error(dev_state: DeviceState, ref: State) -> float:
-    """The largest relative error of any state table of any layer against the reference's."""
-    got = dev_state.to_reference()
-    assert got.position == ref.position
-    return max(rel_err(getattr(got, t)[i], getattr(ref, t)[i]) for t in ("conv", "recurrent", "keys", "values")
-               for i in getattr(ref, t))
-
-
 def continuation_errors(make, upload, cfg, w, ids, T) -> list[float]:
     """Errors against the reference of: the token after a T-token prefill, the state then, and the next token from
     the reference's own state (make() -> Prefill, upload(w) -> DeviceWeights)."""
@@ -405,7 +387,7 @@ def continuation_errors(make, upload, cfg, w, ids, T) -> list[float]:
     step = prefill(weights, state, ids[T:T + 1]).numpy()  # a blocking copy after the launches
     ref_state = State()
     reference_last_logits(w, cfg, ids[:T], ref_state)
-    errors = [rel_err(step, decode_step(w, cfg, int(ids[T]), ref_state)), state_error(state, ref_state)]
+    errors = [rel_err(step, decode_step(w, cfg, int(ids[T]), ref_state)), max(state_errors(state, ref_state).values())]
     state.load_reference(ref_state)  # continue the reference's own state
     nxt = prefill(weights, state, ids[T + 1:]).numpy()
     errors.append(rel_err(nxt, decode_step(w, cfg, int(ids[T + 1]), ref_state)))
