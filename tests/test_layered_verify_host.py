@@ -19,6 +19,7 @@ from lucegen.model.config import tiny_config
 from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.spec import load_spec
 from lucegen.spec_decode import Speculation, oracle_draft
+from lucegen.spec_decode.tree import ancestry
 from host_layered import layered_on_host
 
 CFG = tiny_config()
@@ -38,14 +39,6 @@ def engine():
         e = LayeredEngine(WEIGHTS, CFG, spec=SPEC, max_context=128, chunk=4)
         yield e
         e.free()
-
-
-def ancestry(parents, n: int) -> list[int]:
-    chain = []
-    while n >= 0:
-        chain.append(n)
-        n = parents[n]
-    return chain[::-1]
 
 
 def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray:

@@ -13,6 +13,7 @@ from lucegen.engine.state import DeviceState
 from lucegen.model.config import tiny_config
 from lucegen.reference import decode_step, random_weights
 from lucegen.spec_decode.device import NodeVerifier, depth_first, depths
+from lucegen.spec_decode.tree import ancestry
 from host_kernels import on_host
 
 CFG = tiny_config()
@@ -62,22 +63,14 @@ def test_node_by_node_verify_is_sequential_decoding(parents, prefix, seed):
         verifier = NodeVerifier(engine)
         logits = verifier.forward(tokens, parents)
         for n in range(len(parents)):  # n after its ancestors, one by one from the committed state
-            path, a = [], n
-            while a >= 0:
-                path.append(a)
-                a = parents[a]
             fresh = HostEngine(64)
             for t in context:
                 fresh.decode(t)
-            for a in path[::-1]:
+            for a in ancestry(parents, n):
                 expected = fresh.decode(tokens[a])
             np.testing.assert_array_equal(logits[n], expected)
-        leaf = max(range(len(parents)), key=lambda n: depths(parents)[n])
-        path, a = [], leaf
-        while a >= 0:
-            path.append(a)
-            a = parents[a]
-        path = path[::-1][:1 + rng.integers(len(path))]
+        path = ancestry(parents, max(range(len(parents)), key=lambda n: depths(parents)[n]))
+        path = path[:1 + rng.integers(len(path))]
         verifier.commit(path)
         fresh = HostEngine(64)
         for t in [*context, *(tokens[a] for a in path)]:

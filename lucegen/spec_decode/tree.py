@@ -7,9 +7,19 @@ token, already chosen by the target) and does not count toward the budget.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def ancestry(parents: Sequence[int], node: int) -> list[int]:
+    """The path from the root to `node` (parents[root] = -1): its ancestors root first, then node; [] for -1."""
+    chain = []
+    while node >= 0:
+        chain.append(node)
+        node = parents[node]
+    return chain[::-1]
 
 
 @dataclass

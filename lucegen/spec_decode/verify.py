@@ -15,6 +15,7 @@ import numpy as np
 
 from lucegen.model.config import ModelConfig
 from lucegen.reference.model import State, Weights, decode_step
+from lucegen.spec_decode.tree import ancestry
 
 
 def commit(state: State, nodes: Sequence[State], path: Sequence[int]) -> State:
@@ -33,11 +34,7 @@ def tree_forward(weights: Weights, cfg: ModelConfig, state: State, tokens: Seque
     nodes: list[State] = []
     logits = np.empty((len(tokens), cfg.vocab_size), np.float32)
     for n, token in enumerate(tokens):
-        ancestors, a = [], parents[n]
-        while a >= 0:
-            ancestors.append(a)
-            a = parents[a]
-        view = commit(state, nodes, ancestors[::-1])
+        view = commit(state, nodes, ancestry(parents, parents[n]))
         logits[n] = decode_step(weights, cfg, int(token), view)
         nodes.append(State(view.conv, view.recurrent, {i: k[-1:] for i, k in view.keys.items()},
                            {i: v[-1:] for i, v in view.values.items()}, view.position, state.kv_codec))

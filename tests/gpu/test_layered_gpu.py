@@ -35,6 +35,7 @@ from lucegen.model.gguf_file import gguf_name, load_gguf
 from lucegen.model.quants import GGMLType
 from lucegen.model.weights import open_weights
 from lucegen.reference import State, decode_step, generate, relative_error
+from lucegen.spec_decode.tree import ancestry
 
 pytestmark = pytest.mark.gpu
 STEP_RTOL = 1e-2
@@ -239,15 +240,6 @@ def random_tree(n: int, seed: int) -> list[int]:
     """n nodes, each a child of a random earlier one, deeper ones favoured (trees as DDTree grows them)."""
     rng = np.random.default_rng(seed)
     return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
-
-
-def ancestry(parents, n: int) -> list[int]:
-    """n's ancestors, root first, then n."""
-    chain = []
-    while n >= 0:
-        chain.append(n)
-        n = parents[n]
-    return chain[::-1]
 
 
 def state_bytes(engine: LayeredEngine) -> dict:
