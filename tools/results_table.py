@@ -27,12 +27,23 @@ BUDGET = re.compile(r"^ddtree_tok_s_b(\d+)$")
 PROMPT_SET = re.compile(r"^(\w+)_(chain|ddtree)_tok_s$")
 
 
+def run_by(r: dict) -> str:
+    """Who or what produced a row: a peer, a path through lucegen, a kernel variant (bench prefill's GEMM method
+    and split-K), or lucegen as configured by its spec."""
+    if r.get("peer") or r.get("path"):
+        return r.get("peer") or r.get("path")
+    if r.get("gemm"):
+        return f"lucegen, {r['gemm']} GEMMs" + (f", split-K {r['split_k']}" if r.get("split_k", 1) > 1 else "")
+    return "lucegen"
+
+
 def latest(path: Path) -> list[dict]:
-    rows: dict[tuple[str, str], dict] = {}
+    """The newest row of each (metric, model, run by)."""
+    rows: dict[tuple[str, str, str], dict] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            rows[(r["metric"], r["model"], r.get("peer"), r.get("path"))] = r  # later lines are newer
+            rows[(r["metric"], r["model"], run_by(r))] = r  # later lines are newer
     return list(rows.values())
 
 
@@ -43,7 +54,7 @@ def table(path: Path) -> str:
     for r in latest(path):
         limit = r.get("limit")
         ratio = f"{r['value'] / limit:.1%}" if limit else ""
-        who = r.get("peer") or r.get("path") or "lucegen"
+        who = run_by(r)
         out.append(f"| {r['metric']} | {r['model']} | {who} | {r['value']:.4g} | {r['unit']} | "
                    f"{'' if limit is None else f'{limit:.4g}'} | {ratio} | {r['commit']} | {r['date'][:10]} |")
     return "\n".join(out)
