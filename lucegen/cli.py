@@ -83,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     lengths=tuple(args.lengths) if args.lengths else prefill.LENGTHS)
     elif args.suite == "qgemv":
         from .bench import qgemv
-        qgemv.run(rec)
+        qgemv.run(rec, tune_knobs=args.tune)
     elif args.suite == "decode":
         from .bench import decode
         decode.run(rec)
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("suite", choices=["gemv", "qgemv", "prefill", "decode", "decode-gguf", "energy",
                                          "speculative", "prompts", "tree"])
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
-    bench.add_argument("--tune", action="store_true", help="also sweep the kernel's tuning knobs and print a table")
+    bench.add_argument("--tune", action="store_true", help="gemv, qgemv: also sweep the kernels' tuning knobs and "
+                       "print a table")
     g = bench.add_argument_group("speculative and prompts (any engine backend)")
     g.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy (records go to "
                                                      "results/cpu.jsonl)")

@@ -74,6 +74,16 @@ class GemvTuning:
 
 
 @dataclass(frozen=True)
+class QGemvTuning:
+    """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py: weights loaded straight into registers."""
+    threads: int = 256
+    rows_per_warp: int = 1    # rows a warp multiplies at once (they share each activation load)
+    span: int = 4             # K-slices (32 pieces) a warp loads before multiplying: 16-byte loads in flight per lane
+    gemm_m_tile: int = 8      # activation rows per block of the GEMM (M > 1); the weights are re-read per M-tile
+    gemm_span: int = 2
+
+
+@dataclass(frozen=True)
 class MegakernelTuning:
     blocks: int
     threads: int
@@ -103,6 +113,7 @@ class PrefillTuning:
 class Tuning:
     megakernel: MegakernelTuning
     gemv: GemvTuning = field(default_factory=GemvTuning)
+    qgemv: QGemvTuning = field(default_factory=QGemvTuning)
     norm: Launch = field(default_factory=lambda: Launch(threads=256))
     argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
     ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
@@ -270,6 +281,12 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)
     if not 1 <= t.gemv.rows_per_warp <= 8:
         _fail(source, "tuning.gemv.rows_per_warp", f"{t.gemv.rows_per_warp} must be between 1 and 8")
+    _check_launch(spec, source, "tuning.qgemv", t.qgemv.threads, c.sm_count)
+    for key in ("rows_per_warp", "span", "gemm_span"):
+        if not 1 <= getattr(t.qgemv, key) <= 8:
+            _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
+    if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
+        _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:
         _fail(source, "tuning.gemv.method", f"{t.gemv.method!r} is not one of {', '.join(GEMV_METHODS)}")
     if t.gemv.method == "bulk" and c.cc < 90:

@@ -8,6 +8,7 @@ deterministic per row as the kernels, and a verify's node can be held bit for bi
 from __future__ import annotations
 
 import contextlib
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -109,7 +110,8 @@ class LayeredHostKernel:
         lin_rows = C + VD + 2 * c.linear_num_value_heads
         if name.startswith(("qgemv_", "qgemm_")):
             w, x, y, n, m = args
-            fmt, k = name.split("_")[1], int(name.split("_")[2][1:])
+            fmt, k = re.fullmatch(r"qgem[vm](?:_m\d+)?_(\w+?)_k(\d+)_r\d+_s\d+_t\d+", name).groups()
+            k = int(k)
             W = matrix(w, fmt, n, k)
             X, Y = rows_of(x, m, k), rows_of(y, m, n)
             for t in range(m):  # row by row: every row the GEMV of that row

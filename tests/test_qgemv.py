@@ -3,7 +3,6 @@ made of, and the device decode (templates/quant.cuh) compiled for the host and c
 gguf package on freshly drawn blocks."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 
@@ -39,14 +38,15 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     pairs = [(f, CHECK_K) for f in qgemv.FORMATS]
     result = build(spec, model, qgemv.units(spec, model, pairs), root=tmp_path)
     names = {k.name for k in result.kernels}
-    for f in qgemv.FORMATS:
-        assert {f"qgemv_{f}_k{CHECK_K}", f"qdequant_{f}"} <= names
-        assert any(n.startswith(f"qgemm_{f}_k{CHECK_K}_m") for n in names)
+    for f, fmt in qgemv.FORMATS.items():
+        gemv, gemm = (qgemv.tuning(spec, fmt, CHECK_K, g).name(fmt, CHECK_K) for g in (False, True))
+        assert {gemv, gemm, f"qdequant_{f}"} <= names
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
-        assert k.dynamic_smem + k.static_smem <= spec.chip.smem_per_block
-        # the GEMV's stages leave room for two blocks per SM; every kernel runs at least one
-        assert k.coresident_blocks >= (2 if k.name.startswith("qgemv_") else 1) * spec.chip.sm_count, k.name
+        # no shared memory: weights go to registers, activations through L1
+        assert k.dynamic_smem + k.static_smem == 0, k.name
+        # a quarter of the SM's threads at least, for the loads in flight
+        assert k.coresident_blocks * k.threads >= spec.chip.max_threads_per_sm // 4 * spec.chip.sm_count, k.name
 
 
 def test_a_k_that_is_not_whole_blocks_is_refused_when_rendering():
@@ -86,39 +86,27 @@ def test_a_gguf_files_pairs_are_its_matrices(tmp_path):
         ("q4_k", 256), ("q4_k", 512), ("q6_k", 256), ("q6_k", 512), ("q8_0", 64), ("q8_0", 128)]
 
 
-@pytest.mark.parametrize("k", [1024, 5120, 17408])
-def test_tuning_fits_each_spec_and_the_gemm_takes_the_largest_m_tile_that_fits(k):
+@pytest.mark.parametrize("k", [256, 1024, 5120, 17408])
+def test_tuning_is_the_specs_with_the_span_no_longer_than_the_row(k):
     for name in list_specs():
         spec = load_spec(name)
+        q = spec.tuning.qgemv
         for f in qgemv.FORMATS.values():
+            if k % f.block_values:
+                continue
+            slices = -(-k // f.slice_values)
             v, m = qgemv.tuning(spec, f, k, gemm=False), qgemv.tuning(spec, f, k, gemm=True)
-            assert v.mt == 1 and 2 <= v.stages <= 4 and 2 <= m.stages <= 4
-            assert v.block_smem(f, k) <= spec.chip.smem_per_sm // 2 - qgemv.RESERVED_SMEM
-            assert m.block_smem(f, k) <= spec.chip.smem_per_block
-            bigger = [mt for mt in qgemv.MT_CHOICES if mt > m.mt]
-            assert all(qgemv.Tuning(m.threads, m.rows, mt, 2, False).block_smem(f, k) > spec.chip.smem_per_block
-                       for mt in bigger)
-            if not v.xfull:  # activations loaded with each stage only when all of them would not fit
-                assert dataclasses.replace(v, xfull=True, stages=2).block_smem(f, k) > spec.chip.smem_per_sm // 2 - 1024
-    # the 3090's GEMV of K = 17408 holds all activations as XBlocks (26 KB), but only each stage's in fp32 (68 KB)
-    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["q4_k"], 17408, gemm=False).xfull
-    assert qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["bf16"], 5120, gemm=False).xfull
-    assert not qgemv.tuning(load_spec("rtx3090"), qgemv.FORMATS["bf16"], 17408, gemm=False).xfull
+            assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
+            assert (m.mt, m.span) == (q.gemm_m_tile, min(q.gemm_span, slices))
+            assert v.name(f, k) != m.name(f, k)
 
 
-def test_shared_memory_sizes_worked_out_by_hand():
-    q8 = qgemv.FORMATS["q8_0"]  # slices of 1024 values = 32 blocks = 1088 bytes, widened: 1104-byte slots
-    # 2 stages x (16 rows x 1104 + M-tile 2 x 32 XBlocks of 48 bytes)
-    assert qgemv.Tuning(256, 2, 2, 2, False).smem(q8, 5120) == 2 * (16 * 1104 + 2 * 32 * 48)
-    # activations once: 8 rows x 5 slices x 32 XBlocks, then 3 stages x 16 rows x 1104
-    assert qgemv.Tuning(256, 2, 8, 3, True).smem(q8, 5120) == 8 * 5 * 32 * 48 + 3 * 16 * 1104
-    bf16 = qgemv.FORMATS["bf16"]  # slices of 256 values = 512 bytes; activations fp32
-    assert qgemv.Tuning(256, 2, 4, 2, False).smem(bf16, 5120) == 2 * (16 * 512 + 4 * 256 * 4)
-    spec = load_spec("rtx3090")
-    small = dataclasses.replace(spec, chip=dataclasses.replace(spec.chip, smem_per_block=16384))
-    with pytest.raises(ValueError, match="rtx3090: q8_0 GEMM of K = 5120 .* needs 41488 bytes of shared memory; "
-                                         "a block may use 16384"):
-        qgemv.tuning(small, q8, 5120, gemm=True)
+def test_grid_gives_each_row_group_every_m_tile():
+    gemv, gemm = qgemv.Tuning(256, 2, 1, 4), qgemv.Tuning(128, 1, 8, 2)
+    assert gemv.grid(17408, 1) == 17408 // 16          # 8 warps x 2 rows a block
+    assert gemv.grid(17409, 1) == 17408 // 16 + 1
+    assert gemm.grid(5120, 64) == 5120 // 4 * 8        # 4 rows a block, 8 M-tiles of 8
+    assert gemm.grid(5120, 9) == 5120 // 4 * 2
 
 
 @settings(max_examples=30, deadline=None)

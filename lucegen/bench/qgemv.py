@@ -59,7 +59,70 @@ def _torch_mm_us(n: int, k: int, m: int, distinct: int) -> float | None:
     return float(np.median(times))
 
 
-def run(recorder: Recorder | None = None) -> None:
+def _us_per_call(op: qgemv.QMatmul, ws: list[DeviceArray], x: DeviceArray, y: DeviceArray, n: int, m: int,
+                 stream: Stream) -> float:
+    """Median microseconds of one call, the distinct weight copies `ws` rotated (so that L2 does not serve them)."""
+    def calls(s):
+        for w in ws:
+            op(w, x, y, n, m, stream=s)
+    return median_ms(calls, stream) / len(ws) * 1e3
+
+
+def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
+    """Copies of a matrix on the device, at least 4x L2 in all."""
+    return [qgemv.device_weights(raw) for _ in range(max(1, -(-4 * l2_bytes // raw.nbytes)))]
+
+
+# bench qgemv --tune: the tunings swept, per M class (the spec's own are among them)
+TUNE_GEMV = [qgemv.Tuning(t, r, 1, s) for t in (128, 256) for r in (1, 2) for s in (1, 2, 4, 8)]
+TUNE_GEMM = [qgemv.Tuning(t, r, mt, s) for t in (128, 256) for r in (1, 2) for mt in (4, 8, 16) for s in (1, 2)]
+TUNE_FORMATS = ("q4_k", "q6_k")  # Q4_K_M's two
+TUNE_MS = (1, 16, 64)
+
+
+def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
+    """Every tuning of TUNE_GEMV (M = 1) and TUNE_GEMM (M in TUNE_MS) on each shape for Q4_K_M's formats; records
+    qgemv_tune_bw_frac per tuning and prints the best per format and M."""
+    info = device_info()
+    pairs = sorted({(f, k) for f in TUNE_FORMATS for _, k in SHAPES.values()})
+    result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs, extra=TUNE_GEMV + TUNE_GEMM))
+    rng = np.random.default_rng(1)
+    best: dict[tuple[str, int], dict[qgemv.Tuning, list]] = {}  # (format, M): {tuning: [us, bytes] over shapes}
+    for fmt in TUNE_FORMATS:
+        module, f = result.module(f"qgemv_{fmt}"), qgemv.fmt_of(fmt)
+        for label, (n, k) in SHAPES.items():
+            raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
+            ws = _weights(raw, info.l2_bytes)
+            slices = -(-k // f.slice_values)
+            for m in TUNE_MS:
+                x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+                y = DeviceArray.empty((m, n), np.float32)
+                for t in TUNE_GEMV if m == 1 else TUNE_GEMM:
+                    if t.span > slices:
+                        continue
+                    op = qgemv.QMatmul(module, spec, fmt, k, tunings=(t, t))
+                    us = _us_per_call(op, ws, x, y, n, m, stream)
+                    frac = raw.nbytes / (us * 1e-6) / 1e9 / read_gbs
+                    print(f"  {fmt} {label:<9} M={m:<3} t{t.threads} r{t.rows} mt{t.mt} s{t.span}: {us:8.1f} us "
+                          f"{frac:6.1%} of the read rate")
+                    best.setdefault((fmt, m), {}).setdefault(t, [0.0, 0])
+                    best[fmt, m][t][0] += us
+                    best[fmt, m][t][1] += raw.nbytes
+                x.free()
+                y.free()
+            for w in ws:
+                w.free()
+    for (fmt, m), times in best.items():  # a tuning that skipped a shape (span past its slices) is not ranked
+        shapes = max(b for _, b in times.values())
+        ranked = sorted(((t, us) for t, (us, b) in times.items() if b == shapes), key=lambda kv: kv[1])
+        print(f"{fmt} M={m}: best of {len(ranked)} tunings (us summed over the shapes): " +
+              ", ".join(f"t{t.threads} r{t.rows} mt{t.mt} s{t.span} {us:.1f}" for t, us in ranked[:4]))
+        t, us = ranked[0]
+        rec.record("qgemv_tune_bw_frac", f"{fmt} M={m} (3 shapes)", shapes / (us * 1e-6) / 1e9 / read_gbs, "fraction",
+                   1.0, us=round(us, 2), threads=t.threads, rows=t.rows, mt=t.mt, span=t.span)
+
+
+def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
     spec = spec_for_current_device()
     info = device_info()
     rec = recorder or Recorder(gpu=info.name)
@@ -76,21 +139,17 @@ def run(recorder: Recorder | None = None) -> None:
         for label, (n, k) in SHAPES.items():
             op = qgemv.QMatmul(module, spec, fmt, k)
             raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
-            distinct = max(1, -(-4 * info.l2_bytes // raw.nbytes))
-            ws = [qgemv.device_weights(raw) for _ in range(distinct)]
+            ws = _weights(raw, info.l2_bytes)
             for m in MS:
                 x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
                 y = DeviceArray.empty((m, n), np.float32)
-
-                def calls(s, ws=ws, x=x, y=y, m=m, n=n, op=op):
-                    for w in ws:
-                        op(w, x, y, n, m, stream=s)
-
-                us = median_ms(calls, stream) / len(ws) * 1e3
+                us = _us_per_call(op, ws, x, y, n, m, stream)
                 gbs = raw.nbytes / (us * 1e-6) / 1e9
                 name = f"{fmt} {n}x{k} M={m}"
+                t = op.tunings[m > 1]
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
-                           read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label)
+                           read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label,
+                           tuning=f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}")
                 if m == 1:
                     us_m1 = us
                     exact = qgemv.reference(raw, fmt, x.numpy().reshape(1, k))
@@ -107,3 +166,5 @@ def run(recorder: Recorder | None = None) -> None:
                 y.free()
             for w in ws:
                 w.free()
+    if tune_knobs:
+        tune(rec, spec, read_gbs, stream)

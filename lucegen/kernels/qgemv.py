@@ -1,9 +1,9 @@
 """Quantized GEMV and small-M GEMM, Y = X W^T for W [N, K] in a GGUF format: numpy reference, units, launchers.
 
 W is stored exactly as in the GGUF file (lucegen.model.quants' layouts; bf16 as plain bf16 rows), X is fp32
-[M, K], Y fp32 [M, N]. The kernels (templates/qgemv.cuh) stream W through shared memory once (16-byte cp.async),
-load each weight piece once into registers and multiply it into an M-tile of activation rows held in shared
-memory: MT = 1 for the decode GEMV, up to 16 for the GEMM of a tree verify. bf16 rows multiply fp32 activations
+[M, K], Y fp32 [M, N]. The kernels (templates/qgemv.cuh) load each weight piece once, from global memory straight
+into registers, and multiply it into an M-tile of activation rows (read through L1): MT = 1 for the decode GEMV,
+spec.tuning.qgemv.gemm_m_tile for the GEMM of a tree verify. bf16 rows multiply fp32 activations
 in fp32. The quantized formats multiply activations quantized to 8 bits per 32 values (quantize_x, as llama.cpp's
 q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values in fp32 in a
 fixed order (quant.cuh's top comment): piece_terms emulates that in numpy bit for bit, and quantization_bound bounds
@@ -30,10 +30,8 @@ from ..runtime.memory import DeviceArray
 from ..spec import WEIGHT_FORMATS, ChipSpec
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
-MT_CHOICES = (16, 8, 4, 2)  # activation rows per GEMM block pass, the largest whose stages fit shared memory
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, padding
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
-RESERVED_SMEM = 1024    # shared memory the hardware keeps per block (sm_80+)
 
 
 @dataclass(frozen=True)
@@ -221,46 +219,30 @@ def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Tuning:
     threads: int
-    rows: int     # rows per warp and pass (their pieces share each activation load)
-    mt: int       # activation rows per block pass
-    stages: int   # pipeline items in flight
-    xfull: bool   # the M-tile's activations loaded once (all of K), not with each stage
+    rows: int     # rows per warp (their pieces share each activation load)
+    mt: int       # activation rows per block (1: the GEMV)
+    span: int     # K-slices a warp loads before multiplying them
 
-    def smem(self, fmt: Format, k: int) -> int:
-        """Dynamic shared memory: per stage, the pass's rows' slice (and the M-tile's activations of the slice),
-        or once, the M-tile's activations of every slice."""
-        g = self.threads // 32 * self.rows
-        x = self.mt * fmt.x_slice_bytes * (-(-k // fmt.slice_values) if self.xfull else 1)
-        return (x if self.xfull else 0) + self.stages * (g * fmt.slot_bytes + (0 if self.xfull else x))
+    def name(self, fmt: Format, k: int) -> str:
+        kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
+        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}"
 
-    def block_smem(self, fmt: Format, k: int) -> int:
-        """All the shared memory of a block: the dynamic part and one 8-byte mbarrier per stage (static, sm_90+;
-        counted on every chip, for one rule)."""
-        return self.smem(fmt, k) + 8 * self.stages
+    def rows_per_block(self) -> int:
+        return self.threads // 32 * self.rows
+
+    def grid(self, n: int, m: int) -> int:
+        """Blocks for N rows and M activation rows: one per row group and M-tile, the M-tiles of a row group
+        consecutive (they run together and share the weights through L2)."""
+        return -(-n // self.rows_per_block()) * -(-m // self.mt)
 
 
 def tuning(spec: ChipSpec, fmt: Format, k: int, gemm: bool) -> Tuning:
-    """The GEMV (MT = 1) or GEMM tuning of a spec: the spec's GEMV threads and rows per warp; the GEMM's M-tile
-    the largest of MT_CHOICES whose two stages fit a block. Then, within the budget (the GEMV: room for two blocks
-    per SM; the GEMM: one block), activations loaded once if that leaves two stages, and the most stages (up to 4)."""
-    g, c = spec.tuning.gemv, spec.chip
-    base = Tuning(threads=g.threads, rows=g.rows_per_warp, mt=1, stages=2, xfull=False)
+    """The spec's GEMV (M = 1) or GEMM (M > 1) tuning for rows of K values (the span no longer than K's slices)."""
+    q = spec.tuning.qgemv
+    slices = -(-k // fmt.slice_values)
     if gemm:
-        fits = [mt for mt in MT_CHOICES if dataclasses.replace(base, mt=mt).block_smem(fmt, k) <= c.smem_per_block]
-        base = dataclasses.replace(base, mt=fits[0] if fits else MT_CHOICES[-1])
-        budget = c.smem_per_block
-    else:
-        budget = min(c.smem_per_block, c.smem_per_sm // 2 - RESERVED_SMEM)
-    options = [dataclasses.replace(base, xfull=x, stages=n) for x in (True, False) for n in (4, 3, 2)]
-    t = next((o for o in options if o.block_smem(fmt, k) <= budget), base)
-    if t.block_smem(fmt, k) > c.smem_per_block:
-        raise ValueError(f"{spec.name}: {fmt.name} {'GEMM' if gemm else 'GEMV'} of K = {k} with {t} needs "
-                         f"{t.block_smem(fmt, k)} bytes of shared memory; a block may use {c.smem_per_block}")
-    return t
-
-
-def kernel_name(fmt: Format, k: int, t: Tuning) -> str:
-    return f"qgemv_{fmt.name}_k{k}" if t.mt == 1 else f"qgemm_{fmt.name}_k{k}_m{t.mt}"
+        return Tuning(q.threads, q.rows_per_warp, q.gemm_m_tile, min(q.gemm_span, slices))
+    return Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices))
 
 
 # ---- which (format, K) pairs a model needs -------------------------------------------------------------------
@@ -292,27 +274,30 @@ def gguf_pairs(checkpoint) -> list[tuple[str, int]]:
     return _matrix_pairs(((r.name, r.type, r.shape) for r in raws), checkpoint.config.tie_word_embeddings)
 
 
-def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] | None = None) -> list[KernelUnit]:
-    """One unit per format: the GEMV and the GEMM of each of its K, and the format's dequantizer. By default the
-    pairs of the model in DEFAULT_MIX that the spec runs; an engine loading a GGUF file passes gguf_pairs(file)."""
+def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] | None = None,
+          extra: Iterable[Tuning] = ()) -> list[KernelUnit]:
+    """One unit per format: the GEMV and the GEMM of each of its K (and a kernel for each of the `extra` tunings:
+    bench qgemv --tune), and the format's dequantizer. By default the pairs of the model in DEFAULT_MIX that the
+    spec runs; an engine loading a GGUF file passes gguf_pairs(file)."""
     if pairs is None:
         pairs = [(f, k) for f, k in mix_pairs(model, DEFAULT_MIX) if f in spec.tuning.weight_formats]
     pairs = sorted(set(pairs))
+    threads = spec.tuning.qgemv.threads
     out = []
     for name in dict.fromkeys(f for f, _ in pairs):
         fmt = fmt_of(name)
-        kernels = []
+        kernels = {}
         for k in sorted(k for f, k in pairs if f == name):
             check_k(fmt, k)
-            for gemm in (False, True):
-                t = tuning(spec, fmt, k, gemm)
-                kernels.append({"name": kernel_name(fmt, k, t), "k": k, "mt": t.mt, "rows": t.rows, "stages": t.stages,
-                                "xfull": t.xfull, "smem": t.smem(fmt, k), "min_blocks": 1 if gemm else 2})
-        threads = spec.tuning.gemv.threads
-        sigs = tuple(KernelSig(k["name"], threads, dynamic_smem=k["smem"]) for k in kernels)
+            for t in (tuning(spec, fmt, k, False), tuning(spec, fmt, k, True), *extra):
+                t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
+                kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
+                                           "span": t.span, "threads": t.threads,
+                                           "min_blocks": 2}
+        sigs = tuple(KernelSig(k["name"], k["threads"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
-                              {"fmt": fmt.name, "cls": fmt.cls, "threads": threads, "kernels": kernels},
+                              {"fmt": fmt.name, "cls": fmt.cls, "threads": threads, "kernels": list(kernels.values())},
                               (*sigs, *quant, KernelSig(f"qdequant_{fmt.name}", threads))))
     return out
 
@@ -332,31 +317,17 @@ class QMatmul:
     quantized formats X is first quantized (qquant_x) into a scratch buffer this object owns: calls that may run
     at the same time on different streams need one QMatmul each."""
 
-    def __init__(self, module, spec: ChipSpec, fmt: str, k: int):
+    def __init__(self, module, spec: ChipSpec, fmt: str, k: int, tunings: tuple[Tuning, Tuning] | None = None):
         self.fmt, self.k = fmt_of(fmt), k
         self.row_bytes = self.fmt.row_bytes(k)
-        self.ops = []
-        for gemm in (False, True):
-            t = tuning(spec, self.fmt, k, gemm)
-            kernel = module.kernel(kernel_name(self.fmt, k, t))
-            smem = t.smem(self.fmt, k)
-            if t.block_smem(self.fmt, k) > 48 * 1024:  # past 48 KB with the static mbarriers: opt in
-                kernel.set_max_dynamic_smem(smem)
-            per_sm = min(spec.tuning.gemv.blocks_per_sm, kernel.max_active_blocks_per_sm(t.threads, smem))
-            if per_sm < 1:
-                raise RuntimeError(f"{kernel.name} does not fit an SM ({t.threads} threads, {smem} bytes)")
-            self.ops.append((kernel, t, smem, per_sm * spec.chip.sm_count))
+        self.tunings = tunings or (tuning(spec, self.fmt, k, False), tuning(spec, self.fmt, k, True))
+        self.kernels = tuple(module.kernel(t.name(self.fmt, k)) for t in self.tunings)
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
+        self.quant_threads = spec.tuning.qgemv.threads
         # quantized activations: room for a tree verify's rows up front (no allocation in the calls a graph may
         # capture), grown if a call brings more
         self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
-
-    def grid(self, m: int) -> int:
-        """Blocks for M rows: whole groups of one block per M-tile (consecutive, so they share L2)."""
-        _, t, _, blocks = self.ops[m > 1]
-        mtiles = -(-m // t.mt)
-        return mtiles * max(1, blocks // mtiles)
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None) -> None:
         if n < 1 or m < 1:
@@ -366,16 +337,16 @@ class QMatmul:
                              f"padded to 16 (device_weights); got {w.nbytes}")
         if x.size < m * self.k or y.size < m * n or x.dtype != np.float32 or y.dtype != np.float32:
             raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}]; got {x} and {y}")
-        kernel, t, smem, _ = self.ops[m > 1]
         if self.quant is not None:
             blocks = m * self.k // 32
             if self.xq.nbytes < blocks * XBLOCK_BYTES:
                 self.xq.free()
                 self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
-            threads = t.threads
-            self.quant(min(self.quant_blocks, -(-blocks // threads)), threads, x, self.xq, blocks, stream=stream)
+            self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
+                       blocks, stream=stream)
             x = self.xq
-        kernel(self.grid(m), t.threads, w, x, y, n, m, smem=smem, stream=stream)
+        t = self.tunings[m > 1]
+        self.kernels[m > 1](t.grid(n, m), t.threads, w, x, y, n, m, stream=stream)
 
 
 class Dequant:

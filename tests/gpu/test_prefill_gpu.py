@@ -27,9 +27,10 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from host_kernels import assert_state_close, on_host, state_errors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
 
 from lucegen.codegen.build import build
 from lucegen.engine.prefill import Prefill, units
@@ -42,7 +43,6 @@ from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
-from host_kernels import assert_state_close, on_host, state_errors
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -426,14 +426,14 @@ def hf_last_logits(cfg, weights: dict[str, np.ndarray], ids: np.ndarray, tmp: Pa
     custom ops: "expected ident but found ')' here: annotate(strtag) -> ()")."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         pytest.skip("HF comparison needs torch and transformers")
-    paths = {name: tmp / name for name in ("config.json", "weights.safetensors", "ids.npy", "logits.npy")}
+    paths = {name: tmp / name for name in ("config.json", "weights.safetensors", "ids.txt", "logits.safetensors")}
     paths["config.json"].write_text(json.dumps(cfg.to_hf_dict()))
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(paths["weights.safetensors"]))
-    np.save(paths["ids.npy"], np.asarray(ids, np.int64))
+    paths["ids.txt"].write_text(" ".join(str(int(i)) for i in ids))
     proc = subprocess.run([sys.executable, str(HF_LOGITS), *map(str, paths.values()), "--device", "cuda"],
                           check=False, capture_output=True, text=True, timeout=900, cwd=HF_LOGITS.parents[1])
     assert proc.returncode == 0, f"tools/hf_logits.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return np.load(paths["logits.npy"])
+    return load_file(str(paths["logits.safetensors"]))["logits"]
 
 
 @pytest.mark.parametrize("model, T", [("tiny", 65), ("tiny", 520), ("0.8b", 520)])

@@ -9,6 +9,8 @@ Run for the GPU's own spec and for the RTX 3090 spec emulated at the GPU's arch 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -32,17 +34,28 @@ TAIL = 64  # poisoned elements past the end of every output
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+# other tunings (threads, rows per warp, M-tile, span): the same arithmetic, so the same bits
+VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning(128, 1, 16, 1),
+            qgemv.Tuning(256, 2, 4, 2)]
+
+
 @pytest.fixture(scope="module", params=["device", "rtx3090"])
 def ops(request, tmp_path_factory):
-    """({(format, K): QMatmul}, {format: Dequant}) built for the device's spec or the 3090's."""
+    """({(format, K): QMatmul}, {format: Dequant}, {(format, K): [QMatmul of each of VARIANTS]}) built for the
+    device's spec or the 3090's."""
     spec = spec_for_current_device()
     if request.param != "device":
         spec = load_spec(request.param).with_arch(device_info().arch)
     model = tiny_config()
-    result = build(spec, model, qgemv.units(spec, model, PAIRS), root=tmp_path_factory.mktemp("qgemv"))
+    result = build(spec, model, qgemv.units(spec, model, PAIRS, extra=VARIANTS), root=tmp_path_factory.mktemp("qgemv"))
     modules = {f: result.module(f"qgemv_{f}") for f in KS}
+
+    def variant(f, k, t):
+        t = dataclasses.replace(t, span=min(t.span, -(-k // qgemv.fmt_of(f).slice_values)))
+        return qgemv.QMatmul(modules[f], spec, f, k, tunings=(t, t))
     return ({(f, k): qgemv.QMatmul(modules[f], spec, f, k) for f, k in PAIRS},
-            {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.gemv.threads) for f in KS})
+            {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.qgemv.threads) for f in KS},
+            {(f, k): [variant(f, k, t) for t in VARIANTS] for f, k in PAIRS})
 
 
 def poisoned(n: int) -> DeviceArray:
@@ -132,3 +145,18 @@ def test_every_gemm_row_is_the_gemv_bit_for_bit(ops, pair, m, n, seed):
         yi = poisoned(n)
         op(w, xd.view(k, offset_bytes=4 * k * i), yi, n, 1)
         np.testing.assert_array_equal(written(yi, n).view(np.uint32), gemm[i].view(np.uint32))
+
+
+@SETTINGS
+@given(pair=st.sampled_from(PAIRS), m=st.sampled_from(MS), n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
+def test_every_tuning_gives_the_same_bits(ops, pair, m, n, seed):
+    fmt, k = pair
+    raw, x = draw(fmt, n, k, m, seed)
+    w, xd = qgemv.device_weights(raw), DeviceArray.from_numpy(x)
+    y = poisoned(m * n)
+    ops[0][pair](w, xd, y, n, m)
+    want = written(y, m * n).view(np.uint32)
+    for op in ops[2][pair]:
+        y = poisoned(m * n)
+        op(w, xd, y, n, m)
+        np.testing.assert_array_equal(written(y, m * n).view(np.uint32), want, err_msg=str(op.tunings[m > 1]))
