@@ -78,9 +78,9 @@ class QGemvTuning:
     """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py: weights loaded straight into registers."""
     threads: int = 256
     rows_per_warp: int = 1    # rows a warp multiplies at once (they share each activation load)
-    span: int = 4             # K-slices (32 pieces) a warp loads before multiplying: 16-byte loads in flight per lane
+    span: int = 2             # K-slices (32 pieces) a warp loads before multiplying: 16-byte loads in flight per lane
     gemm_m_tile: int = 8      # activation rows per block of the GEMM (M > 1); the weights are re-read per M-tile
-    gemm_span: int = 2
+    gemm_span: int = 1
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,13 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     if (r0 >= N) return;
     const int nrows = min(ROWS, N - r0);
     const int b = lane / F::PIECES, p = lane % F::PIECES;  // this lane's block in a slice and piece in it
-    // this lane's block in slice 0 of row r0, and of activation row m0
-    const unsigned char* w = W + r0 * Q::ROW_BYTES + b * F::BLOCK_BYTES;
-    const unsigned char* xs = x + m0 * Q::X_ROW_BYTES + b * F::XB;
-    // does this lane hold a piece of slice s (the last slice may be partial)
-    const auto live = [&](int s) { return lane * PV < min(SV, K - s * SV); };
+    // Branch-free body, so that the compiler issues every load of a span before the first use: rows past N,
+    // activation rows past M and the lanes past the end of a partial last slice read valid bytes (the last row,
+    // the last activation row, block 0 of the slice) and their products are dropped.
+    const auto live = [&](int s) { return s < SLICES && lane * PV < min(SV, K - s * SV); };
+    const auto block = [&](int s) { return live(s) ? b : 0; };
+    const auto row = [&](int j) { return W + (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };
+    const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
 
     float acc[ROWS][MT];
 #pragma unroll
@@ -67,22 +69,22 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     for (int s0 = 0; s0 < SLICES; s0 += SPAN) {
         typename F::Piece pc[SPAN][ROWS];
 #pragma unroll
-        for (int u = 0; u < SPAN; ++u)
+        for (int u = 0; u < SPAN; ++u) {
+            const int s = min(s0 + u, SLICES - 1);
 #pragma unroll
-            for (int j = 0; j < ROWS; ++j)
-                if (s0 + u < SLICES && j < nrows && live(s0 + u))
-                    pc[u][j] = F::load(w + j * Q::ROW_BYTES + (s0 + u) * Q::SLICE_BYTES, p);
+            for (int j = 0; j < ROWS; ++j) pc[u][j] = F::load(row(j) + s * Q::SLICE_BYTES + block(s) * F::BLOCK_BYTES, p);
+        }
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
-            if (s0 + u < SLICES && live(s0 + u)) {
+            const int s = min(s0 + u, SLICES - 1);
+            const bool use = live(s0 + u);
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    if (m < mv) {
-                        const unsigned char* xm = xs + m * Q::X_ROW_BYTES + (s0 + u) * Q::X_SLICE_BYTES;
+            for (int m = 0; m < MT; ++m) {
+                const unsigned char* xm = xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB;
 #pragma unroll
-                        for (int j = 0; j < ROWS; ++j)
-                            if (j < nrows) acc[j][m] = __fadd_rn(acc[j][m], F::dot(pc[u][j], xm));
-                    }
+                for (int j = 0; j < ROWS; ++j) {
+                    const float d = F::dot(pc[u][j], xm);
+                    if (use) acc[j][m] = __fadd_rn(acc[j][m], d);
                 }
             }
         }

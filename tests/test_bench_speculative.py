@@ -60,3 +60,10 @@ def test_oracle_run_accepts_run_tokens_each_round(checkpoint):
         got = generate(engine, tokenizer, ids, 17, greedy, ignore_eos=True)
         assert got.token_ids == want.token_ids
         assert got.target_passes == 16 // (run + 1)  # 16 tokens after the first, run + 1 a pass
+
+
+def test_random_weights_are_the_cuda_step_alone():
+    from lucegen.bench.engines import open_engine
+    for model, backend in (("random:qwen3.5-27b", "numpy"), ("random:qwen3.5-27b:q4_k_m:x", "cuda")):
+        with pytest.raises(ValueError, match="random weights run on the cuda backend's layer-by-layer step"):
+            open_engine(model, backend)
