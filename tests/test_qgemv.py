@@ -39,8 +39,7 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     result = build(spec, model, qgemv.units(spec, model, pairs), root=tmp_path)
     names = {k.name for k in result.kernels}
     for f, fmt in qgemv.FORMATS.items():
-        gemv, gemm = (qgemv.tuning(spec, fmt, CHECK_K, g).name(fmt, CHECK_K) for g in (False, True))
-        assert {gemv, gemm, f"qdequant_{f}"} <= names
+        assert {*(t.name(fmt, CHECK_K) for t in qgemv.tunings(spec, fmt, CHECK_K)), f"qdequant_{f}"} <= names
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
         # no shared memory: weights go to registers, activations through L1
@@ -87,7 +86,7 @@ def test_a_gguf_files_pairs_are_its_matrices(tmp_path):
 
 
 @pytest.mark.parametrize("k", [256, 1024, 5120, 17408])
-def test_tuning_is_the_specs_with_the_span_no_longer_than_the_row(k):
+def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
     for name in list_specs():
         spec = load_spec(name)
         q = spec.tuning.qgemv
@@ -95,10 +94,16 @@ def test_tuning_is_the_specs_with_the_span_no_longer_than_the_row(k):
             if k % f.block_values:
                 continue
             slices = -(-k // f.slice_values)
-            v, m = qgemv.tuning(spec, f, k, gemm=False), qgemv.tuning(spec, f, k, gemm=True)
+            v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
-            assert (m.mt, m.span) == (q.gemm_m_tile, min(q.gemm_span, slices))
-            assert v.name(f, k) != m.name(f, k)
+            assert [t.mt for t in gemms] == [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
+            assert all(t.span == min(q.gemm_span, slices) for t in gemms)
+            assert len({t.name(f, k) for t in (v, *gemms)}) == 1 + len(gemms)
+
+
+def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
+    kernels = [qgemv.Tuning(256, 1, mt, 1) for mt in (1, 2, 4, 8)]
+    assert [qgemv.for_rows(kernels, m).mt for m in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
 def test_grid_gives_each_row_group_every_m_tile():

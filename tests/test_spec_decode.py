@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chi2
 
 from lucegen.engine.sampling import SamplingParams
@@ -18,6 +20,7 @@ from lucegen.spec_decode import (
     speculative_generate,
     tree_forward,
 )
+from lucegen.spec_decode.tree import top_k_ids
 
 CFG = tiny_config()
 WEIGHTS = random_weights(CFG, seed=1)
@@ -158,3 +161,13 @@ def test_sampled_matches_plain_sampling():
     observed = np.append(observed[~small], observed[small].sum())
     stat = ((observed - expected) ** 2 / expected).sum()
     assert chi2.sf(stat, len(expected) - 1) > 1e-4, stat
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 60), k=st.integers(0, 70), ties=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_top_k_ids_are_a_stable_sorts_first_k(rows, vocab, k, ties, seed):
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-3, 3, (rows, vocab)).astype(np.float64) if ties else rng.standard_normal((rows, vocab))
+    want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(top_k_ids(scores, k), want)

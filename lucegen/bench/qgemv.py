@@ -100,7 +100,7 @@ def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
                 for t in TUNE_GEMV if m == 1 else TUNE_GEMM:
                     if t.span > slices:
                         continue
-                    op = qgemv.QMatmul(module, spec, fmt, k, tunings=(t, t))
+                    op = qgemv.QMatmul(module, spec, fmt, k, kernels=(t,))
                     us = _us_per_call(op, ws, x, y, n, m, stream)
                     frac = raw.nbytes / (us * 1e-6) / 1e9 / read_gbs
                     print(f"  {fmt} {label:<9} M={m:<3} t{t.threads} r{t.rows} mt{t.mt} s{t.span}: {us:8.1f} us "
@@ -146,7 +146,7 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
                 us = _us_per_call(op, ws, x, y, n, m, stream)
                 gbs = raw.nbytes / (us * 1e-6) / 1e9
                 name = f"{fmt} {n}x{k} M={m}"
-                t = op.tunings[m > 1]
+                t = op.tuning_for(m)
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                            read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label,
                            tuning=f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}")

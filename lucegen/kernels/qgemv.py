@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -236,13 +236,21 @@ class Tuning:
         return -(-n // self.rows_per_block()) * -(-m // self.mt)
 
 
-def tuning(spec: ChipSpec, fmt: Format, k: int, gemm: bool) -> Tuning:
-    """The spec's GEMV (M = 1) or GEMM (M > 1) tuning for rows of K values (the span no longer than K's slices)."""
+def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
+    """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
+    spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
+    products whether it exists or not); spans no longer than K's slices."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
-    if gemm:
-        return Tuning(q.threads, q.rows_per_warp, q.gemm_m_tile, min(q.gemm_span, slices))
-    return Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices))
+    gemms = [Tuning(q.threads, q.rows_per_warp, mt, min(q.gemm_span, slices))
+             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
+    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices)), *gemms]
+
+
+def for_rows(kernels: Sequence[Tuning], m: int) -> Tuning:
+    """The kernel for M rows: the GEMV for one, else the smallest M-tile holding them, else the largest."""
+    fits = [t for t in kernels if t.mt >= m and (m == 1 or t.mt > 1)]
+    return min(fits, key=lambda t: t.mt) if fits else max(kernels, key=lambda t: t.mt)
 
 
 # ---- which (format, K) pairs a model needs -------------------------------------------------------------------
@@ -289,7 +297,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
         kernels = {}
         for k in sorted(k for f, k in pairs if f == name):
             check_k(fmt, k)
-            for t in (tuning(spec, fmt, k, False), tuning(spec, fmt, k, True), *extra):
+            for t in (*tunings(spec, fmt, k), *extra):
                 t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
                                            "span": t.span, "threads": t.threads,
@@ -317,11 +325,11 @@ class QMatmul:
     quantized formats X is first quantized (qquant_x) into a scratch buffer this object owns: calls that may run
     at the same time on different streams need one QMatmul each."""
 
-    def __init__(self, module, spec: ChipSpec, fmt: str, k: int, tunings: tuple[Tuning, Tuning] | None = None):
+    def __init__(self, module, spec: ChipSpec, fmt: str, k: int, kernels: Sequence[Tuning] | None = None):
         self.fmt, self.k = fmt_of(fmt), k
         self.row_bytes = self.fmt.row_bytes(k)
-        self.tunings = tunings or (tuning(spec, self.fmt, k, False), tuning(spec, self.fmt, k, True))
-        self.kernels = tuple(module.kernel(t.name(self.fmt, k)) for t in self.tunings)
+        self.tunings = list(kernels or tunings(spec, self.fmt, k))
+        self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
         self.quant_threads = spec.tuning.qgemv.threads
@@ -345,8 +353,11 @@ class QMatmul:
             self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
                        blocks, stream=stream)
             x = self.xq
-        t = self.tunings[m > 1]
-        self.kernels[m > 1](t.grid(n, m), t.threads, w, x, y, n, m, stream=stream)
+        t = self.tuning_for(m)
+        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, stream=stream)
+
+    def tuning_for(self, m: int) -> Tuning:
+        return for_rows(self.tunings, m)
 
 
 class Dequant:

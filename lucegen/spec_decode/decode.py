@@ -94,28 +94,45 @@ def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequenc
     return out
 
 
+ORACLE_SPREAD = 64
+LOW = -30.0  # the oracle's log-prob (before normalisation) of the tokens it does not rank
+
+
 def oracle_draft(target: Sequence[int], prompt_len: int, vocab_size: int, accuracy: float = 1.0,
                  seed: int = 0, run: int | None = None) -> DraftFn:
     """A draft that knows the continuation target (tokens after the prompt): at each position it ranks the true
-    token first with probability accuracy, else a random wrong token first (the true one second); the other
-    log-probs are random. Off the target's path (after a rejected guess) its guesses are simply random.
-    run: only the first `run` positions of each call are guessed so; past them the true token ranks last, out of
-    any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus)."""
+    token first with probability accuracy, else a random wrong token first (the true one second); below them
+    ORACLE_SPREAD random tokens with random log-probs, then the rest of the vocabulary at the log-prob LOW (drawing
+    a value for each of 248K tokens per position cost more than the verify it feeds). Off the target's path (after
+    a rejected guess) its guesses are simply random.
+    run: only the first `run` positions of each call are guessed so; past them the true token ranks last (below
+    LOW), out of any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus)."""
     rng = np.random.default_rng(seed)
 
     def draft(context: Sequence[int], n: int) -> np.ndarray:
-        lp = np.minimum(rng.normal(size=(n, vocab_size)) - 4, -2.0)  # below the guesses' 0 and -1: ranks hold
+        lp = np.full((n, vocab_size), LOW)
+        spread = rng.integers(0, vocab_size, (n, min(ORACLE_SPREAD, vocab_size)))
+        lp[np.arange(n)[:, None], spread] = np.minimum(rng.normal(size=spread.shape) - 4, -2.0)  # below 0 and -1
+        ranked = [list(row) for row in spread]  # per position, the tokens not at LOW
         on_path = list(context[prompt_len:]) == list(target[:len(context) - prompt_len])
         for d in range(n):
             i = len(context) - prompt_len + d
             if not on_path or i >= len(target):
                 break
             if run is not None and d >= run:
-                lp[d, target[i]] = lp[d].min() - 1.0
+                lp[d, target[i]] = LOW - 1.0
+                ranked[d].append(target[i])
                 continue
             wrong = (target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size
             first, second = (target[i], wrong) if rng.random() < accuracy else (wrong, target[i])
             lp[d, first], lp[d, second] = 0.0, -1.0
-        return lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
+            ranked[d] += [first, second]
+        for d, tokens in enumerate(ranked):  # normalised from the ranked values and the count at LOW: an exp over
+            tokens = np.unique(tokens)       # 248K values per position costs more than the verify it feeds
+            values = np.append(lp[d, tokens], LOW)
+            weights = np.append(np.ones(len(tokens)), vocab_size - len(tokens))
+            top = values.max()
+            lp[d] -= top + np.log(weights @ np.exp(values - top))
+        return lp
 
     return draft

@@ -52,7 +52,7 @@ def ops(request, tmp_path_factory):
 
     def variant(f, k, t):
         t = dataclasses.replace(t, span=min(t.span, -(-k // qgemv.fmt_of(f).slice_values)))
-        return qgemv.QMatmul(modules[f], spec, f, k, tunings=(t, t))
+        return qgemv.QMatmul(modules[f], spec, f, k, kernels=(t,))
     return ({(f, k): qgemv.QMatmul(modules[f], spec, f, k) for f, k in PAIRS},
             {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.qgemv.threads) for f in KS},
             {(f, k): [variant(f, k, t) for t in VARIANTS] for f, k in PAIRS})
@@ -159,4 +159,4 @@ def test_every_tuning_gives_the_same_bits(ops, pair, m, n, seed):
     for op in ops[2][pair]:
         y = poisoned(m * n)
         op(w, xd, y, n, m)
-        np.testing.assert_array_equal(written(y, m * n).view(np.uint32), want, err_msg=str(op.tunings[m > 1]))
+        np.testing.assert_array_equal(written(y, m * n).view(np.uint32), want, err_msg=str(op.tuning_for(m)))
