@@ -75,12 +75,14 @@ class GemvTuning:
 
 @dataclass(frozen=True)
 class QGemvTuning:
-    """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py: weights loaded straight into registers."""
+    """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py (templates/qgemv.cuh: work split, rings)."""
     threads: int = 256
     rows_per_warp: int = 1    # rows a warp multiplies at once (they share each activation load)
     span: int = 2             # K-slices (32 pieces) a warp loads before multiplying: 16-byte loads in flight per lane
     gemm_m_tile: int = 8      # activation rows per block of the GEMM (M > 1); the weights are re-read per M-tile
     gemm_span: int = 1
+    stages: int = 0           # items (span slices of its rows) in each warp's cp.async ring in shared memory; 0: none,
+                              # the loads go straight into registers
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     for key in ("rows_per_warp", "span", "gemm_span"):
         if not 1 <= getattr(t.qgemv, key) <= 8:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
+    if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
+        _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
     if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
         _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:

@@ -6,44 +6,58 @@
 // Work split. K is cut into slices of 32 pieces (quant.cuh): lane l of a warp decodes piece l of every slice of
 // its rows, so each weight byte is decoded by one lane. A warp owns ROWS consecutive rows and a block WARPS x ROWS
 // of them, for an M-tile of MT activation rows; the blocks of one row group have consecutive indices (one per
-// M-tile) so that they run together and their re-reads of the weights hit L2. Weights come straight from global
-// memory into registers (read-only path, no shared memory, no block-wide synchronisation): a warp loads its rows'
-// pieces of SPAN slices at once, so that SPAN x ROWS 16-byte-scale loads per lane are in flight, then multiplies
-// each piece into the MT activation rows (F::dot, activations through L1: every warp of the grid reads them).
+// M-tile) so that they run together and their re-reads of the weights hit L2. The warp takes its rows SPAN slices
+// at a time (an item) and multiplies each piece into the MT activation rows (F::dot; activations through L1: every
+// warp of the grid reads them). How an item's weights arrive, STAGES:
+//   0   straight from global memory into registers (read-only path): every load of an item is issued before its
+//       first product, then the warp waits for them; what is in flight is what the registers hold.
+//   >1  through a ring of STAGES items in shared memory that belongs to the warp: its lanes copy the rows' bytes
+//       with 16-byte cp.async, STAGES - 1 items ahead of the one being multiplied, and decode from there; no block
+//       barrier (a __syncwarp orders the ring). What is in flight no longer costs registers, and the loads keep
+//       running while the warp multiplies (the quantized formats spend far more instructions per byte than bf16).
 //
 // Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of F::dot(piece, activations)):
-// it depends on the format and K only, not on MT, ROWS, SPAN or the grid, so the M = 1 GEMV and every M-tile of the
-// GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16 (8-value
-// pieces, 256-value slices) the lanes sum in gemv_bf16's order.
+// it depends on the format and K only, not on MT, ROWS, SPAN, STAGES or the grid, so the M = 1 GEMV and every M-tile
+// of the GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16
+// (8-value pieces, 256-value slices) the lanes sum in gemv_bf16's order.
 //
 // W must be 16-byte aligned; rows of formats whose blocks are not 16-byte multiples (Q8_0, Q4_0, Q6_K) start on
-// 2-byte boundaries, which F::load reads with aligned words (quant.cuh), at most to the next 4-byte boundary past
-// the row's last byte.
+// 2-byte boundaries: F::load reads them with aligned words (quant.cuh) at most to the next 4-byte boundary past the
+// row's last byte, and the ring copies a slice widened to the 16-byte words around it (up to 15 bytes of the
+// neighbouring rows, from L2), so W must be readable to the next 16-byte boundary after its last byte.
 #pragma once
+#include "mma.cuh"
 #include "quant.cuh"
 
 namespace lucegen {
 
 // The geometry of one kernel: format F, row length K, MT activation rows per block, ROWS rows per warp, SPAN
-// slices loaded at once.
-template <class F, int K, int MT, int ROWS, int SPAN, int THREADS>
+// slices per item, STAGES items in a warp's shared-memory ring (0: no ring).
+template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 struct QGemm {
     static_assert(K % F::BLOCK_VALUES == 0, "rows must be whole blocks of the format");
     static_assert(THREADS % 32 == 0 && SPAN >= 1 && ROWS >= 1, "whole warps");
+    static_assert(STAGES == 0 || STAGES >= 2, "a ring holds the item being multiplied and at least one ahead");
     static constexpr int WARPS = THREADS / 32, G = WARPS * ROWS;  // rows per block
     static constexpr int PIECE_VALUES = F::BLOCK_VALUES / F::PIECES;
     static constexpr int SLICE_VALUES = 32 * PIECE_VALUES;  // one piece per lane
     static constexpr int SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::BLOCK_BYTES;
     static constexpr int SLICES = (K + SLICE_VALUES - 1) / SLICE_VALUES;
+    static constexpr int ITEMS = (SLICES + SPAN - 1) / SPAN;
     static constexpr long long ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::BLOCK_BYTES;
     static constexpr int X_SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::XB;  // activations of a slice
     static constexpr long long X_ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::XB;
+    // A row's slice in the ring: as is (16-byte aligned formats), or widened to 16-byte words from a start that is
+    // 2-byte aligned (at most 14 bytes before it).
+    static constexpr int SLOT = F::ALIGNED16 ? SLICE_BYTES : (SLICE_BYTES + 14 + 15) / 16 * 16;
+    static constexpr int ITEM_BYTES = ROWS * SPAN * SLOT;
+    static constexpr int SMEM = WARPS * STAGES * ITEM_BYTES;  // the block's dynamic shared memory
 };
 
-template <class F, int K, int MT, int ROWS, int SPAN, int THREADS>
+template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x, float* __restrict__ y,
-                      int N, int M) {
-    using Q = QGemm<F, K, MT, ROWS, SPAN, THREADS>;
+                      int N, int M, unsigned char* smem) {
+    using Q = QGemm<F, K, MT, ROWS, SPAN, STAGES, THREADS>;
     constexpr int SV = Q::SLICE_VALUES, SLICES = Q::SLICES, PV = Q::PIECE_VALUES;
     const int mtiles = (M + MT - 1) / MT;
     const int m0 = (blockIdx.x % mtiles) * MT, mv = min(MT, M - m0);
@@ -52,27 +66,59 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     if (r0 >= N) return;
     const int nrows = min(ROWS, N - r0);
     const int b = lane / F::PIECES, p = lane % F::PIECES;  // this lane's block in a slice and piece in it
-    // Branch-free body, so that the compiler issues every load of a span before the first use: rows past N,
-    // activation rows past M and the lanes past the end of a partial last slice read valid bytes (the last row,
+    // Branch-free products, so that the compiler issues every load of an item before the first product: rows past
+    // N, activation rows past M and the lanes past the end of a partial last slice read valid bytes (the last row,
     // the last activation row, block 0 of the slice) and their products are dropped.
     const auto live = [&](int s) { return s < SLICES && lane * PV < min(SV, K - s * SV); };
     const auto block = [&](int s) { return live(s) ? b : 0; };
-    const auto row = [&](int j) { return W + (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };
+    const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
     const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
+    const auto slice_bytes = [](int s) { return min(SV, K - s * SV) / F::BLOCK_VALUES * F::BLOCK_BYTES; };
 
+    // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u); copied widened to 16-byte words.
+    unsigned char* ring = smem + warp * (STAGES * Q::ITEM_BYTES);
+    const auto slot = [&](int t, int j, int u) { return ring + (t % max(STAGES, 1)) * Q::ITEM_BYTES + (j * SPAN + u) * Q::SLOT; };
+    const auto issue = [&](int t) {  // every lane: its share of item t's copies (if any); always one commit group
+        for (int j = 0; j < ROWS && t < Q::ITEMS; ++j)
+            for (int u = 0; u < SPAN; ++u) {
+                const int s = t * SPAN + u;
+                if (j >= nrows || s >= SLICES) continue;
+                const long long start = row_start(j) + (long long)s * Q::SLICE_BYTES, from = start & ~15ll;
+                const int words = static_cast<int>((start + slice_bytes(s) + 15 - from) / 16);
+                for (int c = lane; c < words; c += 32) cp_async16(slot(t, j, u) + 16 * c, W + from + 16 * c, true);
+            }
+        cp_async_commit();
+    };
+    // Row j's bytes of slice s (item t, position u) where the lanes decode them: the ring or global memory.
+    const auto bytes = [&](int t, int j, int u, int s) -> const unsigned char* {
+        if constexpr (STAGES > 1)
+            return slot(t, j, u) + (F::ALIGNED16 ? 0 : static_cast<int>((row_start(j) + (long long)s * Q::SLICE_BYTES) & 15));
+        return W + row_start(j) + (long long)s * Q::SLICE_BYTES;
+    };
+
+    if constexpr (STAGES > 1) {
+#pragma unroll 1
+        for (int t = 0; t < STAGES - 1; ++t) issue(t);
+    }
     float acc[ROWS][MT];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j)
 #pragma unroll
         for (int m = 0; m < MT; ++m) acc[j][m] = 0.f;
 #pragma unroll 1
-    for (int s0 = 0; s0 < SLICES; s0 += SPAN) {
+    for (int t = 0; t < Q::ITEMS; ++t) {
+        if constexpr (STAGES > 1) {
+            cp_async_wait<STAGES - 2>();  // this lane's copies of item t have landed ...
+            __syncwarp();                 // ... and every lane's; every lane is done with item t - 1's stage
+            issue(t + STAGES - 1);        // into that stage
+        }
+        const int s0 = t * SPAN;
         typename F::Piece pc[SPAN][ROWS];
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
             const int s = min(s0 + u, SLICES - 1);
 #pragma unroll
-            for (int j = 0; j < ROWS; ++j) pc[u][j] = F::load(row(j) + s * Q::SLICE_BYTES + block(s) * F::BLOCK_BYTES, p);
+            for (int j = 0; j < ROWS; ++j) pc[u][j] = F::load(bytes(t, j, u, s) + block(s) * F::BLOCK_BYTES, p);
         }
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
@@ -89,6 +135,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
             }
         }
     }
+    if constexpr (STAGES > 1) cp_async_wait<0>();
 #pragma unroll
     for (int j = 0; j < ROWS; ++j)
 #pragma unroll

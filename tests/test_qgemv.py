@@ -40,10 +40,11 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     names = {k.name for k in result.kernels}
     for f, fmt in qgemv.FORMATS.items():
         assert {*(t.name(fmt, CHECK_K) for t in qgemv.tunings(spec, fmt, CHECK_K)), f"qdequant_{f}"} <= names
+    rings = {t.name(fmt, CHECK_K): t.smem(fmt) for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
-        # no shared memory: weights go to registers, activations through L1
-        assert k.dynamic_smem + k.static_smem == 0, k.name
+        # shared memory: the warps' rings alone (none without stages); activations come through L1
+        assert k.static_smem == 0 and k.dynamic_smem == rings.get(k.name, 0), k.name
         # a quarter of the SM's threads at least, for the loads in flight
         assert k.coresident_blocks * k.threads >= spec.chip.max_threads_per_sm // 4 * spec.chip.sm_count, k.name
 
@@ -104,6 +105,17 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
     kernels = [qgemv.Tuning(256, 1, mt, 1) for mt in (1, 2, 4, 8)]
     assert [qgemv.for_rows(kernels, m).mt for m in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_ring_sizes_worked_out_by_hand():
+    q4k, q8, q6k = (qgemv.FORMATS[f] for f in ("q4_k", "q8_0", "q6_k"))
+    # 8 warps x 4 items x 1 row x 2 slices of 4 blocks of 144 bytes
+    assert qgemv.Tuning(256, 1, 1, 2, 4).smem(q4k) == 8 * 4 * 2 * 576
+    # Q8_0 slices: 32 blocks of 34 bytes = 1088, widened to 16-byte words from a 2-byte aligned start: 1104
+    assert qgemv.Tuning(128, 2, 4, 1, 3).smem(q8) == 4 * 3 * 2 * 1104
+    # Q6_K slices: 4 blocks of 210 bytes = 840, widened: 864
+    assert qgemv.Tuning(256, 1, 8, 1, 2).smem(q6k) == 8 * 2 * 864
+    assert qgemv.Tuning(256, 2, 1, 4).smem(q4k) == 0  # no ring
 
 
 def test_grid_gives_each_row_group_every_m_tile():

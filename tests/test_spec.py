@@ -76,6 +76,9 @@ def _delete(path: str):
     (_set("tuning.prefill", {"chunk_tokens": 1 << 20}), "tuning.prefill.chunk_tokens", "max_context"),
     (_set("tuning.prefill", {"gemm": "tcgen05"}), "tuning.prefill.gemm", "is not one of"),
     (_set("tuning.prefill", {"split_k": 0}), "tuning.prefill.split_k", "between 1 (no split) and 8"),
+    (_set("tuning.qgemv", {"stages": 1}), "tuning.qgemv.stages", "0 (no ring) or between 2 and 8"),
+    (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
+    (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
     path = _write(tmp_path, mutate)

@@ -219,16 +219,22 @@ def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Tuning:
     threads: int
-    rows: int     # rows per warp (their pieces share each activation load)
-    mt: int       # activation rows per block (1: the GEMV)
-    span: int     # K-slices a warp loads before multiplying them
+    rows: int        # rows per warp (their pieces share each activation load)
+    mt: int          # activation rows per block (1: the GEMV)
+    span: int        # K-slices per item (a warp's unit of loads)
+    stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
 
     def name(self, fmt: Format, k: int) -> str:
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
-        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}"
+        ring = f"_st{self.stages}" if self.stages else ""
+        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
 
     def rows_per_block(self) -> int:
         return self.threads // 32 * self.rows
+
+    def smem(self, fmt: Format) -> int:
+        """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots."""
+        return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
     def grid(self, n: int, m: int) -> int:
         """Blocks for N rows and M activation rows: one per row group and M-tile, the M-tiles of a row group
@@ -242,9 +248,9 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     products whether it exists or not); spans no longer than K's slices."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
-    gemms = [Tuning(q.threads, q.rows_per_warp, mt, min(q.gemm_span, slices))
+    gemms = [Tuning(q.threads, q.rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
-    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices)), *gemms]
+    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 
 
 def for_rows(kernels: Sequence[Tuning], m: int) -> Tuning:
@@ -299,10 +305,13 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
             check_k(fmt, k)
             for t in (*tunings(spec, fmt, k), *extra):
                 t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
+                if t.smem(fmt) > spec.chip.smem_per_block:
+                    raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {t.smem(fmt)} bytes of shared memory; "
+                                     f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
-                                           "span": t.span, "threads": t.threads,
-                                           "min_blocks": 2}
-        sigs = tuple(KernelSig(k["name"], k["threads"]) for k in kernels.values())
+                                           "span": t.span, "stages": t.stages, "threads": t.threads,
+                                           "smem": t.smem(fmt), "min_blocks": 2}
+        sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
                               {"fmt": fmt.name, "cls": fmt.cls, "threads": threads, "kernels": list(kernels.values())},
@@ -330,6 +339,9 @@ class QMatmul:
         self.row_bytes = self.fmt.row_bytes(k)
         self.tunings = list(kernels or tunings(spec, self.fmt, k))
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
+        for t, kernel in self.kernels.items():
+            if t.smem(self.fmt) > 48 * 1024:  # past the default dynamic shared memory: opt in
+                kernel.set_max_dynamic_smem(t.smem(self.fmt))
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
         self.quant_threads = spec.tuning.qgemv.threads
@@ -354,7 +366,7 @@ class QMatmul:
                        blocks, stream=stream)
             x = self.xq
         t = self.tuning_for(m)
-        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, stream=stream)
+        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, smem=t.smem(self.fmt), stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
         return for_rows(self.tunings, m)
