@@ -1,4 +1,4 @@
-"""The `lucegen` command line: build, specs, doctor, bench."""
+"""The `lucegen` command line: build, specs, doctor, bench, tune (and run, serve, plan)."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .engine.loader import default_model
+    from .runtime import NoDriverError
+    from .tune import tune
+    try:  # every bad option, spec or model is a ValueError naming it (the cuda backend with no GPU: NoDriverError)
+        options = {k: getattr(args, k) for k in ("budgets", "tokens", "prompts") if getattr(args, k) is not None}
+        return tune(args.spec, args.model or str(default_model()), args.backend, args.draft, repeat=args.repeat,
+                    write=args.write, **options)
+    except (ValueError, NoDriverError) as e:
+        print(f"lucegen tune: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lucegen", description="LLM inference kernels generated per chip")
     sub = p.add_subparsers(dest="command", required=True)
@@ -148,6 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--lengths", type=int, nargs="+", default=None, help="prefill: prompt lengths (default 520 "
                                                                             "4096 32768); --model: one model")
     bench.set_defaults(fn=cmd_bench)
+    t = sub.add_parser("tune", help="measure speculative tok/s against the DDTree budget here; --write puts the "
+                                    "best into the spec")
+    t.add_argument("--spec", required=True, help="specs/<chip>.yaml or a bare chip name: the file --write changes")
+    t.add_argument("--model", default=None, help="checkpoint folder, .gguf or hub id; 'tiny' makes the tiny test "
+                                                 "checkpoint (default: the bundled tiny-pycode target)")
+    t.add_argument("--draft", default=None, help="DFlash draft folder (default: none, an oracle of the target's own "
+                                                 "output)")
+    t.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy")
+    t.add_argument("--budgets", type=int, nargs="+", default=None, help="the budgets to measure (default 2 4 8 16 "
+                                                                        "32 64, bench speculative's sweep)")
+    t.add_argument("--tokens", type=int, default=None, help="output tokens per prompt (default 64)")
+    t.add_argument("--prompts", type=int, default=None, help="short code prompts, 1 to 6 (default 3)")
+    t.add_argument("--repeat", type=int, default=1, help="runs per prompt and budget, the median kept (default 1)")
+    t.add_argument("--write", action="store_true", help="write the best budget into the spec file")
+    t.set_defaults(fn=cmd_tune)
     register_run_serve(sub)  # run, serve
     register_plan(sub)  # plan
     args = p.parse_args(argv)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..engine.generate import Generation, generate
 from ..engine.loader import model_name
@@ -30,17 +31,24 @@ from ..engine.sampling import Sampler, SamplingParams
 from ..reference.model import State, prefill
 from ..spec import DDTreeTuning
 from ..spec_decode import Speculation, build_tree, commit, oracle_draft, tree_forward, walk
+from ..spec_decode.decode import DraftFn
 from .engines import open_engine
 from .results import Recorder
 
 ACCEPT_LENGTHS = (4, 6, 8, 10)
 BUDGETS = (2, 4, 8, 16, 32, 64)
 SWEEP_ACCURACY = 0.8
+SWEEP_DRAFT = f"oracle, right with probability {SWEEP_ACCURACY}, else second"
 DEPTH = 15  # draft positions per round (DFlash: block size 16 - 1)
 TOKENS = 64
 BUDGET = DDTreeTuning.budget  # the specs' default
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 GREEDY = SamplingParams(temperature=0)
+
+
+def sweep_draft(target: Sequence[int], prompt_len: int, vocab: int) -> DraftFn:
+    """The budget sweep's draft: the noisy oracle (SWEEP_DRAFT) of the greedy continuation `target`."""
+    return oracle_draft(target, prompt_len, vocab, accuracy=SWEEP_ACCURACY, seed=1)
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -85,6 +93,42 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
           f"(tree of {len(tree.tokens)} nodes)")
 
 
+@dataclass(frozen=True)
+class Paired:
+    """Runs with a draft, each right after one without: speculative[i] after plain[i]."""
+    plain: list[Generation]
+    speculative: list[Generation]
+
+    @property
+    def ar_tok_s(self) -> float:
+        """The autoregressive rate the runs with the draft are compared with: the plain runs' median."""
+        return statistics.median(g.decode_tps for g in self.plain)
+
+    @property
+    def median(self) -> Generation:
+        """The run with the draft of median tok/s (the upper one of an even count)."""
+        return sorted(self.speculative, key=lambda g: g.decode_tps)[len(self.speculative) // 2]
+
+    @property
+    def greedy_equal(self) -> bool:
+        """Every run with the draft gave the tokens of the plain run before it (greedy: it must)."""
+        return all(s.token_ids == p.token_ids for p, s in zip(self.plain, self.speculative))
+
+
+def against_autoregressive(engine, gen: Callable[[], Generation], speculation: Speculation, repeat: int) -> Paired:
+    """`repeat` runs of gen() with `speculation` on the engine, each right after one without it (the rate it is
+    compared with: load on the machine moves both alike). The engine is left without a draft."""
+    plain, speculative = [], []
+    for _ in range(repeat):
+        plain.append(gen())
+        engine.speculation = speculation
+        try:
+            speculative.append(gen())
+        finally:
+            engine.speculation = None
+    return Paired(plain, speculative)
+
+
 def fitting(engine, budgets: Sequence[int]) -> list[int]:
     """The budgets whose trees (budget + the root) the engine's verifier takes; the others said to be skipped."""
     most = getattr(engine, "max_tree_nodes", None)
@@ -105,8 +149,7 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         engine.reset()
         engine.prefill(prompt_ids)
         context = [*prompt_ids, target[0]]
-        draft = oracle_draft(target, len(prompt_ids), engine.config.vocab_size, accuracy=SWEEP_ACCURACY, seed=1)
-        logprobs = draft(context, DEPTH)
+        logprobs = sweep_draft(target, len(prompt_ids), engine.config.vocab_size)(context, DEPTH)
         times = {}
         for b in fitting(engine, budgets):
             tree = build_tree(logprobs, b, root=context[-1])
@@ -149,17 +192,8 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
                     **extra) -> None:
         """Runs with the draft, each after an autoregressive run (the rate they are compared with: load on the
         machine moves both alike); limit: limit_al (else the measured accepted length) x that rate."""
-        speculation = Speculation(draft_fn, DEPTH, tree_budget, chain)
-        pairs = []
-        for _ in range(repeat):
-            plain = gen()
-            engine.speculation = speculation
-            try:
-                pairs.append((plain.decode_tps, gen()))
-            finally:
-                engine.speculation = None
-        ar_tps = statistics.median(p[0] for p in pairs)
-        g = sorted((p[1] for p in pairs), key=lambda g: g.decode_tps)[repeat // 2]
+        runs = against_autoregressive(engine, gen, Speculation(draft_fn, DEPTH, tree_budget, chain), repeat)
+        ar_tps, g = runs.ar_tok_s, runs.median
         rec.record(metric, name, g.decode_tps, "tok/s", (limit_al or g.tokens_per_pass) * ar_tps,
                    accepted_length=round(g.tokens_per_pass, 3), speedup=round(g.decode_tps / ar_tps, 3),
                    budget=tree_budget, greedy_equal=g.token_ids == target, ar_tok_s=round(ar_tps, 3), **extra)
@@ -177,6 +211,4 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
             speculative(f"{mode}_tok_s_al{a}", draft_fn, budget, mode == "chain", a,
                         draft=f"oracle, {a - 1} right a round")
     for b in fitting(engine, budgets):
-        speculative(f"ddtree_tok_s_b{b}", oracle_draft(target, len(prompt_ids), vocab, accuracy=SWEEP_ACCURACY,
-                                                       seed=1), b,
-                    draft=f"oracle, right with probability {SWEEP_ACCURACY}, else second")
+        speculative(f"ddtree_tok_s_b{b}", sweep_draft(target, len(prompt_ids), vocab), b, draft=SWEEP_DRAFT)
