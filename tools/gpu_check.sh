@@ -33,11 +33,12 @@ for stage in $stages; do
                 status=$((status | ${PIPESTATUS[0]})) ;;
         bench)  # speculative: the cuda engine on the tiny checkpoint (its ar rate; the speculative parts once the
                 # cuda engine has speculate()); prompts: only with a real checkpoint (and draft) on the machine
-                for suite in ${BENCH:-gemv qgemv decode decode-gguf energy prefill tree "speculative --model tiny"} \
+                for suite in ${BENCH:-gemv qgemv decode decode-gguf energy prefill tree "speculative --model tiny" \
+                               "speculative --model random:qwen3.5-27b:q4_k_m"} \
                              ${LUCEGEN_CHECKPOINT:+"prompts --set humaneval --model $LUCEGEN_CHECKPOINT --limit 3 \
                                ${LUCEGEN_DRAFT:+--draft $LUCEGEN_DRAFT --mode ddtree}"}; do
                     python3 -m lucegen.cli bench $suite --results "$LOGS/results.jsonl" 2>&1 \
-                        | tee "$LOGS/bench-${suite%% *}.txt"
+                        | tee "$LOGS/bench-$(printf %s "$suite" | tr -c 'a-zA-Z0-9_.-' '_').txt"
                     status=$((status | ${PIPESTATUS[0]}))
                 done ;;
         demo)   bash tools/demo.sh cuda 2>&1 | tee "$LOGS/demo-cuda.txt"   # the README's commands on the GPU backend
