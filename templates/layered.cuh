@@ -45,6 +45,18 @@ __device__ void add_rmsnorm_row(float* __restrict__ x, const float* __restrict__
                                  scratch);
 }
 
+// xq = the XBlocks (quant.cuh) of this block's fp32 row of K values, once every thread's writes of the row are
+// done: the quantized GEMVs' activation quantization (qgemv.cuh's qquant_x, the same function) fused into the
+// kernel that makes the row, instead of a launch of its own before each projection. Rows whose K is not whole
+// 32-value blocks have no XBlocks (no quantized matrix takes them).
+template <int K, int THREADS>
+__device__ void quantize_row(const float* row, XBlock* __restrict__ xq) {
+    if constexpr (K % 32 == 0) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < K / 32; i += THREADS) xq[i] = quantize_xblock(row + 32 * i);
+    }
+}
+
 // act (fp32 [I]) = silu(gate) * up.
 template <int I, int THREADS>
 __device__ void silu_mul_row(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act) {

@@ -14,10 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 
 import lucegen.engine.layered as layered_mod
-from lucegen.kernels import layered, tree
+from lucegen.kernels import layered, qgemv, tree
 from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.kernels.qgemv import fmt_of
-from lucegen.model.quants import dequantize
+from lucegen.model.checkpoint import make_checkpoint
+from lucegen.model.config import tiny_config
+from lucegen.model.gguf_file import gguf_name, load_gguf
+from lucegen.model.quants import GGMLType, dequantize
+from lucegen.model.weights import open_weights
 from host_kernels import HostArray, on_host, rows_of, store
 
 
@@ -77,6 +81,22 @@ def matrix(w: HostArray, fmt: str, n: int, k: int) -> np.ndarray:
     return _MATRICES[key][1]
 
 
+def write_xblocks(xq, rows: np.ndarray) -> None:
+    """The XBlocks of fp32 rows into a byte buffer (qgemv.xblocks, the kernels' bytes), unless xq is the null
+    argument."""
+    if _array(xq) is not None:
+        b = qgemv.xblocks(rows).ravel()
+        xq.a.reshape(-1).view(np.uint8)[:b.size] = b
+
+
+def xblock_values(xq, m: int, k: int) -> np.ndarray:
+    """float64 [m, k]: the values dx * qx of m rows of XBlocks (what the quantized products multiply)."""
+    b = xq.a.reshape(-1).view(np.uint8)[:m * k // 32 * qgemv.XBLOCK_BYTES].reshape(m, k // 32, qgemv.XBLOCK_BYTES)
+    q = b[..., :32].view(np.int8).astype(np.float64)
+    d = b[..., 32:36].copy().view(np.float32).astype(np.float64)
+    return (q * d).reshape(m, k)
+
+
 def parents_of_depths(depth: np.ndarray) -> list[int]:
     """A topologically ordered tree with these depths (what attention_kv's references read of a tree)."""
     last: dict[int, int] = {}
@@ -88,8 +108,8 @@ def parents_of_depths(depth: np.ndarray) -> list[int]:
 
 
 class LayeredHostKernel:
-    def __init__(self, cfg, name: str):
-        self.cfg, self.name = cfg, name
+    def __init__(self, cfg, name: str, unit: str = ""):
+        self.cfg, self.name, self.unit = cfg, name, unit  # unit: the kernel's module (layered_<embedding format>)
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         pass
@@ -110,40 +130,48 @@ class LayeredHostKernel:
         lin_rows = C + VD + 2 * c.linear_num_value_heads
         if name.startswith(("qgemv_", "qgemm_")):
             w, x, y, n, m = args
-            fmt, k = re.fullmatch(r"qgem[vm](?:_m\d+)?_(\w+?)_k(\d+)_r\d+_s\d+_t\d+", name).groups()
+            fmt, k = re.fullmatch(r"qgem[vm](?:_m\d+)?_(\w+?)_k(\d+)_r\d+_s\d+_t\d+(?:_st\d+)?", name).groups()
             k = int(k)
             W = matrix(w, fmt, n, k)
-            X, Y = rows_of(x, m, k), rows_of(y, m, n)
+            # the quantized formats read XBlocks (their values dx * qx, exactly), bf16 fp32 rows
+            X = xblock_values(x, m, k) if fmt_of(fmt).quantizes_x else rows_of(x, m, k)
+            Y = rows_of(y, m, n)
             for t in range(m):  # row by row: every row the GEMV of that row
-                store(Y[t], W @ X[t])
+                store(Y[t], W.astype(np.float64) @ X[t].astype(np.float64))
+        elif name == "qquant_x":
+            x, out, blocks = args
+            write_xblocks(out, x.a.reshape(-1)[:32 * blocks].reshape(1, -1))
         elif name == "argmax_f32":
             v, n, out, _, _ = args
             out.a[0] = int(np.argmax(v.a[:n]))
         elif name == "layered_embed":
             table, io, x = args
             m, V = grid[0], c.vocab_size
-            store(rows_of(x, m, H), matrix(table, "bf16", V, H)[io.a[1:1 + m]])
+            store(rows_of(x, m, H), matrix(table, self.unit.removeprefix("layered_"), V, H)[io.a[1:1 + m]])
         elif name == "layered_add_rmsnorm":
-            x, y, w, h = args
+            x, y, w, h, xq = args
             m = grid[0]
             x1, h1 = layered.add_rmsnorm_reference(rows_of(x, m, H), None if _array(y) is None else rows_of(y, m, H),
                                                    w.a, c.rms_norm_eps)
             store(rows_of(x, m, H), x1)
             store(rows_of(h, m, H), h1)
+            write_xblocks(xq, rows_of(h, m, H))
         elif name == "layered_silu_mul":
-            gate_up, act = args
+            gate_up, act, xq = args
             m, inter = grid[0], c.intermediate_size
             store(rows_of(act, m, inter), layered.silu_mul_reference(rows_of(gate_up, m, 2 * inter)))
+            write_xblocks(xq, rows_of(act, m, inter))
         elif name == "layered_place":
             src, dst, n, ld, off = args
             m = grid[0]
             store(rows_of(dst, m, ld)[:, off:off + n], rows_of(src, m, n))
         elif name == "layered_deltanet_norm":
-            out, mixed, w, y = args
+            out, mixed, w, y, xq = args
             m, hv, dv = grid[0], c.linear_num_value_heads, c.linear_value_head_dim
             z = rows_of(mixed, m, lin_rows)[:, C:C + VD].reshape(m, hv, dv)
             store(rows_of(y, m, VD), gated_norm_reference(rows_of(out, m, VD).reshape(m, hv, dv), z, w.a,
                                                           c.rms_norm_eps))
+            write_xblocks(xq, rows_of(y, m, VD))
         elif name == "layered_advance":
             io, tokens, m = args
             io.a[0] += m
@@ -154,15 +182,16 @@ class LayeredHostKernel:
             start, X = _pos(io, start), mixed.a.reshape(-1, stride)
             assert X.shape[1] == lin_rows, "the in-projection rows' stride"
             O = out.a.reshape(-1, VD)
+            tiled = self.unit == tree.unit_name(True)
             if not commit:
                 o, _, _ = tree.deltanet_reference(c, X[:nodes], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a,
-                                                  parents.a[:nodes], start)
+                                                  parents.a[:nodes], start, tiled)
                 store(O[:nodes], o)
                 return
             path = list(codes.a[:steps] & 0xFFFF)  # the schedule of a commit (or the decode step) is the path
             chain = [-1, *range(len(path) - 1)]
             o, _, recs = tree.deltanet_reference(c, X[path], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a, chain,
-                                                 start)
+                                                 start, tiled)
             new_ring, new_state = tree.deltanet_commit_reference(X[path], ring.a, state.a, recs,
                                                                  list(range(len(path))), start)
             store(ring.a, new_ring)
@@ -196,11 +225,11 @@ class LayeredHostKernel:
 
 
 class LayeredHostModule:
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, unit: str):
+        self.cfg, self.unit = cfg, unit
 
     def kernel(self, name: str) -> LayeredHostKernel:
-        return LayeredHostKernel(self.cfg, name)
+        return LayeredHostKernel(self.cfg, name, self.unit)
 
 
 @contextlib.contextmanager
@@ -208,8 +237,61 @@ def layered_on_host(monkeypatch):
     """Inside: LayeredEngine runs on host memory with the kernels' numpy references."""
     with on_host(monkeypatch):
         def fake_build(spec, cfg, unit_list, root=None):
-            return SimpleNamespace(module=lambda name: LayeredHostModule(cfg))
+            return SimpleNamespace(module=lambda name: LayeredHostModule(cfg, name))
         monkeypatch.setattr(layered_mod, "build", fake_build)
         monkeypatch.setattr(layered_mod, "Graph", HostGraph)
         monkeypatch.setattr(layered_mod, "Stream", HostStream)
         yield
+
+
+# ---- checkpoints of the 27B's shape ratios, and the reference that quantizes activations as the GEMVs do --------
+# the 27B's ratios and head dims at hidden 256 (every matrix a whole number of Q4_K blocks, so the Q4_K_M mix
+# applies without fallbacks: Q4_K, with Q6_K for the LM head and for attn_qkv / attn_v / ffn_down on the
+# use_more_bits layers, which makes fused projections of two formats)
+RATIO3_Q = tiny_config(name="ratio3q", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                       num_attention_heads=6, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
+                       linear_num_value_heads=6, linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+class ActivationQuantized:
+    """A weight matrix W for the reference's `x @ W.T`, multiplied as the quantized GEMV does: x quantized to 8 bits
+    per 32 values (qgemv.quantize_x, the kernels' rounding bit for bit) times W's values, summed in float64."""
+    __array_ufunc__ = None  # numpy defers `x @ self` to __rmatmul__
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+
+    @property
+    def T(self) -> "ActivationQuantized":
+        return self
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        rows = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+        q, dx, _ = qgemv.quantize_x(rows)
+        xq = (q.reshape(len(rows), -1, 32) * dx[..., None].astype(np.float64)).reshape(rows.shape)
+        return (xq @ self.w.T.astype(np.float64)).astype(np.float32).reshape(*x.shape[:-1], -1)
+
+
+UNQUANTIZED = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
+
+
+def unquantized(ref: dict) -> dict:
+    """The reference weights with plain float32 matrices (no activation quantization)."""
+    return {k: v.w if isinstance(v, ActivationQuantized) else v for k, v in ref.items()}
+
+
+def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
+    """(weights as lucegen loads them, the reference's weights) of RATIO3_Q. From a GGUF, every matrix stored in a
+    quantized format multiplies quantized activations in the reference too (the embedding gather stays plain)."""
+    d = tmp_path_factory.mktemp(f"ratio3q-{fmt}-{int(peaked)}")
+    paths = make_checkpoint(d, RATIO3_Q, seed=11, peaked=peaked, formats=(fmt,), progress=False, tokenizer=False)
+    weights = load_gguf(paths["gguf"]) if fmt == "gguf" else open_weights(paths["hf"])
+    ref = {k: np.asarray(v, np.float32) for k, v in weights.load_all(progress=False).items()}
+    if fmt == "gguf":
+        quantized = {k for k, v in ref.items() if v.ndim == 2 and k != "embed_tokens.weight"
+                     and weights.raw(gguf_name(k)).type not in UNQUANTIZED}
+        if "lm_head.weight" not in ref and weights.raw("token_embd.weight").type not in UNQUANTIZED:
+            ref["lm_head.weight"] = ref["embed_tokens.weight"]  # tied: the LM head GEMV reads the embeddings
+            quantized.add("lm_head.weight")
+        ref.update({k: ActivationQuantized(ref[k]) for k in quantized})
+    return weights, ref

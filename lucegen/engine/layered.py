@@ -12,7 +12,9 @@ One step over m tokens at positions p .. p+m-1 (rows fp32, [m, width]):
       MLP:      h = rmsnorm(x += y) -> gu = h [gate | up]^T -> act = silu(gate) up -> y = act down^T
     h = rmsnorm(x += y) with the final norm; logits = h lm_head^T; tokens = argmax per row
 Projections are qgemv.QMatmul (the GEMV for m = 1, the small-M GEMM otherwise; a GEMM row is bit for bit the GEMV
-of that row). The mixers are the tree kernels (lucegen/kernels/tree.py), driven by a mixer object: DecodeMixer runs
+of that row). Their quantized activations (8 bits per 32 values) are written by the row kernels that make the
+rows they read (add + RMSNorm, the gated norm, SiLU x up), not by a launch before each projection; the attention
+output alone is quantized by its projection's call. The mixers are the tree kernels (lucegen/kernels/tree.py), driven by a mixer object: DecodeMixer runs
 the m tokens one by one as 1-node trees (the decode step), so an M-token step is M decode steps' arithmetic exactly;
 a tree verify (lucegen/engine/layered_verify.py) runs the same layers over the N nodes of a draft tree at once
 through the same kernels, so each node's logits are its decode step's.
@@ -121,19 +123,29 @@ class LayeredStep:
         self.mix_out = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), np.float32)
         self.normed = DeviceArray.empty((n, c.value_dim), np.float32)
         self.act = DeviceArray.empty((n, c.intermediate_size), np.float32)
+        # the XBlocks of h, normed and act, written by the row kernels that make them, where a quantized matrix
+        # reads them (else None: the row kernels skip them)
+        self.hq, self.normedq, self.actq = (
+            DeviceArray.empty(n * width // 32 * qgemv.XBLOCK_BYTES, np.uint8) if self.quantized(width) else None
+            for width in (c.hidden_size, c.value_dim, c.intermediate_size))
         self.logits = DeviceArray.empty((n, c.vocab_size), np.float32)
         self.tokens = DeviceArray.empty(n, np.int32)
 
+    def quantized(self, k: int) -> bool:
+        """Whether a matrix of row width k multiplies quantized activations (a part in a quantized format)."""
+        return k % 32 == 0 and any(qgemv.fmt_of(f).quantizes_x for f, kk in self.weights.pairs() if kk == k)
+
     # ---- one step -----------------------------------------------------------------------------------------------
-    def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream) -> None:
+    def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
         """y [m, P.n] = x [m, P.k] P^T: each part straight into its columns when it has all of them or m = 1,
-        else through the part buffer and a placing kernel."""
+        else through the part buffer and a placing kernel. xq: x's XBlocks, made by the kernel that wrote x (else
+        each quantized part quantizes x itself)."""
         for part in P.parts:
             op = self.mm[part.fmt, P.k]
             if len(P.parts) == 1 or m == 1:
-                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream)
+                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream, xq=xq)
             else:
-                op(part.w, x, self.part, part.n, m, stream=stream)
+                op(part.w, x, self.part, part.n, m, stream=stream, xq=xq)
                 self.kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
 
     def enqueue(self, m: int, stream, mixer=None) -> None:
@@ -142,26 +154,27 @@ class LayeredStep:
         c, W, k = self.cfg, self.weights, self.kernels
         mixer = mixer or self.mixer
         k.embed(W.embed.parts[0].w, self.io, self.x, m, stream=stream)
+        hq, normedq, actq = self.hq, self.normedq, self.actq
         for i, kind in enumerate(c.layer_types):
             L = W.layers[i]
-            k.add_rmsnorm(self.x, None if i == 0 else self.y, L["ln1"], self.h, m, stream=stream)
+            k.add_rmsnorm(self.x, None if i == 0 else self.y, L["ln1"], self.h, m, stream=stream, xq=hq)
             if kind == LINEAR:
                 mixed = mixer.in_rows(i)
-                self.project(L["lin_in"], self.h, mixed, m, stream)
+                self.project(L["lin_in"], self.h, mixed, m, stream, hq)
                 mixer.linear(L, i, mixed, self.mix_out, m, stream)
-                k.deltanet_norm(self.mix_out, mixed, L["norm"], self.normed, m, stream=stream)
-                self.project(L["lin_out"], self.normed, self.y, m, stream)
+                k.deltanet_norm(self.mix_out, mixed, L["norm"], self.normed, m, stream=stream, xq=normedq)
+                self.project(L["lin_out"], self.normed, self.y, m, stream, normedq)
             else:
-                self.project(L["att_in"], self.h, self.proj, m, stream)
+                self.project(L["att_in"], self.h, self.proj, m, stream, hq)
                 mixer.full(L, i, self.proj, self.mix_out, m, stream)
-                self.project(L["att_out"], self.mix_out, self.y, m, stream)
-            k.add_rmsnorm(self.x, self.y, L["ln2"], self.h, m, stream=stream)
-            self.project(L["gate_up"], self.h, self.proj, m, stream)
-            k.silu_mul(self.proj, self.act, m, stream=stream)
-            self.project(L["down"], self.act, self.y, m, stream)
-        k.add_rmsnorm(self.x, self.y, W.final_norm, self.h, m, stream=stream)
+                self.project(L["att_out"], self.mix_out, self.y, m, stream)  # quantized by its GEMVs
+            k.add_rmsnorm(self.x, self.y, L["ln2"], self.h, m, stream=stream, xq=hq)
+            self.project(L["gate_up"], self.h, self.proj, m, stream, hq)
+            k.silu_mul(self.proj, self.act, m, stream=stream, xq=actq)
+            self.project(L["down"], self.act, self.y, m, stream, actq)
+        k.add_rmsnorm(self.x, self.y, W.final_norm, self.h, m, stream=stream, xq=hq)
         V = c.vocab_size
-        self.project(W.lm_head, self.h, self.logits, m, stream)
+        self.project(W.lm_head, self.h, self.logits, m, stream, hq)
         for t in range(m):
             self.argmax(self.logits.view(V, offset_bytes=4 * t * V), self.tokens.view(1, offset_bytes=4 * t),
                         stream=stream)
@@ -228,8 +241,9 @@ class LayeredStep:
         for g in self.graphs.values():
             g.destroy()
         for a in (self.io, self.x, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
-                  self.logits, self.tokens):
-            a.free()
+                  self.logits, self.tokens, self.hq, self.normedq, self.actq):
+            if a is not None:
+                a.free()
         self.tree.free()
         self.stream.destroy()
 

@@ -76,6 +76,11 @@ def units(spec: ChipSpec, model: ModelConfig, embed_fmts=None) -> list[KernelUni
 
 
 # ---- launchers -------------------------------------------------------------------------------------------------
+def _null(a):
+    """A kernel's optional pointer argument: the array, or a null pointer."""
+    return (0, ctypes.c_void_p) if a is None else a
+
+
 class LayerKernels:
     """The launchers; every one takes the step's token count m."""
 
@@ -88,19 +93,19 @@ class LayerKernels:
     def embed(self, table, io, x, m: int, stream=None) -> None:
         self._embed(m, self.row_threads, table, io, x, stream=stream)
 
-    def add_rmsnorm(self, x, y, w, h, m: int, stream=None) -> None:
-        """x += y (None: no add); h = RMSNorm (1 + w) of x."""
-        self._add_norm(m, self.row_threads, x, (0, ctypes.c_void_p) if y is None else y, w, h,
-                       stream=stream)
+    def add_rmsnorm(self, x, y, w, h, m: int, stream=None, xq=None) -> None:
+        """x += y (None: no add); h = RMSNorm (1 + w) of x; and h's XBlocks into xq when given (every row kernel:
+        the quantized GEMVs' activations, qgemv.xblocks)."""
+        self._add_norm(m, self.row_threads, x, _null(y), w, h, _null(xq), stream=stream)
 
-    def silu_mul(self, gate_up, act, m: int, stream=None) -> None:
-        self._silu_mul(m, self.row_threads, gate_up, act, stream=stream)
+    def silu_mul(self, gate_up, act, m: int, stream=None, xq=None) -> None:
+        self._silu_mul(m, self.row_threads, gate_up, act, _null(xq), stream=stream)
 
     def place(self, src, dst, n: int, ld: int, off: int, m: int, stream=None) -> None:
         self._place(m, self.row_threads, src, dst, n, ld, off, stream=stream)
 
-    def deltanet_norm(self, out, mixed, w, y, m: int, stream=None) -> None:
-        self._dn_norm(m, 32 * NORM_WARPS, out, mixed, w, y, stream=stream)
+    def deltanet_norm(self, out, mixed, w, y, m: int, stream=None, xq=None) -> None:
+        self._dn_norm(m, 32 * NORM_WARPS, out, mixed, w, y, _null(xq), stream=stream)
 
     def advance(self, io, tokens, m: int, stream=None) -> None:
         """io = [position + m, tokens[m - 1]]: the next one-token step continues greedily."""

@@ -349,7 +349,10 @@ class QMatmul:
         # capture), grown if a call brings more
         self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
 
-    def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None) -> None:
+    def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
+                 xq: DeviceArray | None = None) -> None:
+        """Y = X W^T. xq: X's XBlocks made already (by the kernel that wrote X: layered.cuh's quantize_row), for
+        the quantized formats; else this call quantizes X first (qquant_x)."""
         if n < 1 or m < 1:
             raise ValueError(f"need at least one row of W and of X; got n = {n}, m = {m}")
         if w.nbytes < -(-n * self.row_bytes // 16) * 16:
@@ -359,12 +362,17 @@ class QMatmul:
             raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}]; got {x} and {y}")
         if self.quant is not None:
             blocks = m * self.k // 32
-            if self.xq.nbytes < blocks * XBLOCK_BYTES:
-                self.xq.free()
-                self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
-            self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
-                       blocks, stream=stream)
-            x = self.xq
+            if xq is not None:
+                if xq.nbytes < blocks * XBLOCK_BYTES:
+                    raise ValueError(f"xq must hold the {blocks} XBlocks of x [{m}, {self.k}]; got {xq}")
+                x = xq
+            else:
+                if self.xq.nbytes < blocks * XBLOCK_BYTES:
+                    self.xq.free()
+                    self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
+                self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
+                           blocks, stream=stream)
+                x = self.xq
         t = self.tuning_for(m)
         self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, smem=t.smem(self.fmt), stream=stream)
 

@@ -105,12 +105,14 @@ def check_path(parents: Sequence[int], path: Sequence[int]) -> None:
 
 # ---- numpy references (the reference model's math, node by node) -------------------------------------------------
 def deltanet_reference(cfg: ModelConfig, mixed: np.ndarray, conv_w: np.ndarray, a_log: np.ndarray,
-                       dt_bias: np.ndarray, ring: np.ndarray, state: np.ndarray, parents: Sequence[int], start: int):
+                       dt_bias: np.ndarray, ring: np.ndarray, state: np.ndarray, parents: Sequence[int], start: int,
+                       tiled: bool = False):
     """Node by node, the decode step after its parent: (raw head outputs [N, Hv * dv], each node's conv state
     [K-1, C] (the reference's layout) and recurrent state [Hv, dv, dk] (the device's) after it).
 
     mixed [N, C + value_dim + 2 Hv] in-projection rows; conv_w [C, K]; ring [K, C] and state [Hv, dv, dk] the
-    committed ones at position start (state read only when start > 0)."""
+    committed ones at position start (state read only when start > 0). tiled: the value heads in llama.cpp's tiled
+    order (a GGUF's: value head h reads key head h % Hk), else HF's grouped one (h // (Hv / Hk))."""
     C, VD, Hk, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     depths(parents)
@@ -123,8 +125,8 @@ def deltanet_reference(cfg: ModelConfig, mixed: np.ndarray, conv_w: np.ndarray, 
         q, k, v = np.split(silu(y), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         beta = sigmoid(mixed[n:n + 1, C + VD:C + VD + Hv])
         g = -np.exp(a_log) * softplus(mixed[n:n + 1, C + VD + Hv:] + dt_bias)
-        q = np.repeat(q.reshape(1, Hk, dk), Hv // Hk, axis=1)
-        k = np.repeat(k.reshape(1, Hk, dk), Hv // Hk, axis=1)
+        expand = (lambda a: np.tile(a, (1, Hv // Hk, 1))) if tiled else (lambda a: np.repeat(a, Hv // Hk, axis=1))
+        q, k = expand(q.reshape(1, Hk, dk)), expand(k.reshape(1, Hk, dk))
         o, S = recurrent_gated_delta_rule(q, k, v.reshape(1, Hv, dv), g, beta,
                                           root_rec if p < 0 else recs[p].transpose(0, 2, 1))
         out[n] = o.reshape(-1)

@@ -30,68 +30,15 @@ import pytest
 from lucegen.engine.layered import LayeredEngine
 from lucegen.kernels import layered, qgemv
 from lucegen.model.checkpoint import make_checkpoint
-from lucegen.model.config import tiny_config
-from lucegen.model.gguf_file import gguf_name, load_gguf
-from lucegen.model.quants import GGMLType
-from lucegen.model.weights import open_weights
+from lucegen.model.gguf_file import load_gguf
 from lucegen.reference import State, decode_step, generate, relative_error
 from lucegen.spec_decode.tree import ancestry
+
+from host_layered import RATIO3_Q, checkpoint, unquantized
 
 pytestmark = pytest.mark.gpu
 STEP_RTOL = 1e-2
 ROW_RTOL = 1e-6
-
-# the 27B's ratios and head dims at hidden 256 (every matrix a whole number of Q4_K blocks, so the Q4_K_M mix
-# applies without fallbacks: Q4_K, with Q6_K for the LM head and for attn_qkv / attn_v / ffn_down on the
-# use_more_bits layers, which makes fused projections of two formats)
-RATIO3_Q = tiny_config(name="ratio3q", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
-                       num_attention_heads=6, num_key_value_heads=1, head_dim=128, linear_num_key_heads=2,
-                       linear_num_value_heads=6, linear_key_head_dim=128, linear_value_head_dim=128)
-
-
-class ActivationQuantized:
-    """A weight matrix W for the reference's `x @ W.T`, multiplied as the quantized GEMV does: x quantized to 8 bits
-    per 32 values (qgemv.quantize_x, the kernels' rounding bit for bit) times W's values, summed in float64."""
-    __array_ufunc__ = None  # numpy defers `x @ self` to __rmatmul__
-
-    def __init__(self, w: np.ndarray):
-        self.w = w
-
-    @property
-    def T(self) -> "ActivationQuantized":
-        return self
-
-    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        rows = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
-        q, dx, _ = qgemv.quantize_x(rows)
-        xq = (q.reshape(len(rows), -1, 32) * dx[..., None].astype(np.float64)).reshape(rows.shape)
-        return (xq @ self.w.T.astype(np.float64)).astype(np.float32).reshape(*x.shape[:-1], -1)
-
-
-UNQUANTIZED = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
-
-
-def unquantized(ref: dict) -> dict:
-    """The reference weights with plain float32 matrices (no activation quantization)."""
-    return {k: v.w if isinstance(v, ActivationQuantized) else v for k, v in ref.items()}
-
-
-def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
-    """(weights as lucegen loads them, the reference's weights). From a GGUF, every matrix stored in a quantized
-    format multiplies quantized activations in the reference too (the embedding gather stays plain)."""
-    d = tmp_path_factory.mktemp(f"ratio3q-{fmt}-{int(peaked)}")
-    paths = make_checkpoint(d, RATIO3_Q, seed=11, peaked=peaked, formats=(fmt,), progress=False, tokenizer=False)
-    weights = load_gguf(paths["gguf"]) if fmt == "gguf" else open_weights(paths["hf"])
-    ref = {k: np.asarray(v, np.float32) for k, v in weights.load_all(progress=False).items()}
-    if fmt == "gguf":
-        quantized = {k for k, v in ref.items() if v.ndim == 2 and k != "embed_tokens.weight"
-                     and weights.raw(gguf_name(k)).type not in UNQUANTIZED}
-        if "lm_head.weight" not in ref and weights.raw("token_embd.weight").type not in UNQUANTIZED:
-            ref["lm_head.weight"] = ref["embed_tokens.weight"]  # tied: the LM head GEMV reads the embeddings
-            quantized.add("lm_head.weight")
-        ref.update({k: ActivationQuantized(ref[k]) for k in quantized})
-    return weights, ref
-
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):
@@ -104,8 +51,9 @@ def poison(engine: LayeredEngine) -> None:
         for a in table.values():
             a.fill_bytes(0xFF)
     for a in (step.x, step.h, step.y, step.proj, step.part, step.mix_out, step.normed, step.act, step.logits,
-              step.tokens):
-        a.fill_bytes(0xFF)
+              step.tokens, step.hq, step.normedq, step.actq):
+        if a is not None:
+            a.fill_bytes(0xFF)
 
 
 def run_chunks(engine: LayeredEngine, tokens, m: int) -> np.ndarray:
@@ -183,6 +131,21 @@ def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
 
 
 # ---- row kernels ------------------------------------------------------------------------------------------------
+def poisoned_bytes(n: int):
+    from lucegen.runtime import DeviceArray
+    a = DeviceArray.empty(n, np.uint8)
+    a.fill_bytes(0xFF)
+    return a
+
+
+def assert_xblocks_of(xq, rows: np.ndarray) -> None:
+    """xq holds the XBlocks of rows (qgemv.xblocks, the kernels' quantization bit for bit) and nothing past them."""
+    want = qgemv.xblocks(rows).ravel()
+    got = xq.numpy()
+    np.testing.assert_array_equal(got[:want.size], want)
+    assert (got[want.size:] == 0xFF).all(), "a row kernel wrote past its rows' XBlocks"
+
+
 def test_row_kernels_match_their_references(gguf):
     from lucegen.runtime import DeviceArray
     weights, _ = gguf
@@ -195,14 +158,18 @@ def test_row_kernels_match_their_references(gguf):
     dx, dy, dw = DeviceArray.from_numpy(x), DeviceArray.from_numpy(y), DeviceArray.from_numpy(w)
     dh = DeviceArray.empty((m, H), np.float32)
     dh.fill_bytes(0xFF)
-    k.add_rmsnorm(dx, dy, dw, dh, m)
+    xq = poisoned_bytes(m * I // 32 * qgemv.XBLOCK_BYTES + 64)
+    k.add_rmsnorm(dx, dy, dw, dh, m, xq=xq)
     x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
     assert relative_error(dx.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
+    assert_xblocks_of(xq, dh.numpy())  # the fused activation quantization: qquant_x's bytes, no more
     gu = rng.standard_normal((m, 2 * I), np.float32)
     dgu, dact = DeviceArray.from_numpy(gu), DeviceArray.empty((m, I), np.float32)
     dact.fill_bytes(0xFF)
-    k.silu_mul(dgu, dact, m)
+    xq.fill_bytes(0xFF)
+    k.silu_mul(dgu, dact, m, xq=xq)
     assert relative_error(dact.numpy(), layered.silu_mul_reference(gu)) < ROW_RTOL
+    assert_xblocks_of(xq, dact.numpy())
     src, dst = rng.standard_normal((m, 7), np.float32), rng.standard_normal((m, 20), np.float32)
     dsrc, ddst = DeviceArray.from_numpy(src), DeviceArray.from_numpy(dst)
     k.place(dsrc, ddst, 7, 20, 9, m)
