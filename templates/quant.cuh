@@ -233,16 +233,15 @@ struct FmtQ4_0 {
 // Sub-block j (32 values) has a 6-bit scale sc and min m (get_scale_min_k4); x = fl(fl(d*sc) * q - fl(dmin*m)).
 // Piece p (8 per block) = sub-block p: the low (p even) or high nibbles of qs bytes 32c .. 32c+31 (c = p/2); run r =
 // values 32p + 8r .. +7 = the nibbles of bytes 32c + 8r .. +7. Q5_K's fifth bit of value 32j + i is bit j of qh[i].
-__device__ __forceinline__ void scale_min_k4(int j, const uint4& h, unsigned& sc, unsigned& m) {
-    // scales[0..3] in h.y, [4..7] in h.z, [8..11] in h.w (h.x holds d and dmin)
-    const auto s = [&](int i) { return ((i < 4 ? h.y : i < 8 ? h.z : h.w) >> (8 * (i % 4))) & 0xFFu; };
-    if (j < 4) {
-        sc = s(j) & 63u;
-        m = s(j + 4) & 63u;
-    } else {
-        sc = (s(j + 4) & 0xFu) | ((s(j - 4) >> 6) << 4);
-        m = (s(j + 4) >> 4) | ((s(j) >> 6) << 4);
-    }
+// Sub-block j's sc and m, as a word: sc in byte 0, m in byte 1. Branch-free: bytes j % 4 of h.y, h.z, h.w (scales
+// 0-3, 4-7, 8-11; h.x holds d and dmin) are A, B, C, and sc, m = A & 63, B & 63 for j < 4, else
+// (C & 15) | (A >> 6) << 4, (C >> 4) | (B >> 6) << 4.
+__device__ __forceinline__ unsigned scale_min_k4(int j, const uint4& h) {
+    const unsigned i = static_cast<unsigned>(j) & 3u;
+    const unsigned ab = __byte_perm(h.y, h.z, i | ((i + 4u) << 4));  // byte 0: A, byte 1: B
+    const unsigned cc = __byte_perm(h.w, 0u, i | (i << 4));           // bytes 0, 1: C
+    const unsigned high = (cc & 0x000Fu) | ((cc >> 4) & 0x0F00u) | ((ab >> 2) & 0x3030u);
+    return j < 4 ? ab & 0x3F3Fu : high;
 }
 
 template <bool Q5>
@@ -252,45 +251,59 @@ struct FmtK4 {
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        unsigned q[8];  // the 32 values q (0 .. 15 or 31), one per byte
-        float ds, dm;   // fl(d * sc), fl(dmin * m)
-        int j;          // the sub-block
+        // the 32 values q, one per byte, except Q4_K's odd pieces: there the bytes keep their high nibble in
+        // place, xor 0x80, so that a byte is 16 q - 128 as a signed byte (see dot; value() undoes it)
+        unsigned q[8];
+        float ds, dm;  // fl(d * sc), fl(dmin * m)
+        int j;         // the sub-block
     };
+    static constexpr bool SHIFTED = !Q5;  // Q4_K's odd pieces as above
+    __device__ static bool high(const Piece& pc) { return SHIFTED && (pc.j & 1); }
     __device__ static Piece load(const unsigned char* block, int p) {
         Piece pc;
         const uint4 h = *reinterpret_cast<const uint4*>(block);
         const uint4 a = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2));
         const uint4 b = *reinterpret_cast<const uint4*>(block + QS + 32 * (p / 2) + 16);
         const unsigned q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if constexpr (SHIFTED) {  // one LOP3 a word: the nibble in place (xor 0x80 for the high ones), no shift
+            const unsigned mask = p % 2 ? 0xF0F0F0F0u : 0x0F0F0F0Fu, flip = p % 2 ? 0x80808080u : 0u;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) pc.q[i] = (q[i] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
-        if constexpr (Q5) {  // bit p of each qh byte -> bit 4 of the value's byte
+            for (int i = 0; i < 8; ++i) pc.q[i] = (q[i] & mask) ^ flip;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) pc.q[i] = (q[i] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+            // bit p of each qh byte -> bit 4 of the value's byte
             const uint4 c = *reinterpret_cast<const uint4*>(block + 16), e = *reinterpret_cast<const uint4*>(block + 32);
             const unsigned qh[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
 #pragma unroll
             for (int i = 0; i < 8; ++i) pc.q[i] |= ((qh[i] >> p) << 4) & 0x10101010u;
         }
-        unsigned sc, m;
-        scale_min_k4(p, h, sc, m);
-        pc.ds = __fmul_rn(half_to_float(h.x & 0xFFFFu), uint_to_float(sc));
-        pc.dm = __fmul_rn(half_to_float(h.x >> 16), uint_to_float(m));
+        const unsigned scm = scale_min_k4(p, h);
+        pc.ds = __fmul_rn(half_to_float(h.x & 0xFFFFu), byte_minus(scm, 0, MAGIC_U_VALUE));
+        pc.dm = __fmul_rn(half_to_float(h.x >> 16), byte_minus(scm, 1, MAGIC_U_VALUE));
         pc.j = p;
         return pc;
+    }
+    // The 4 values q of word w as bytes 0 .. 15 (or 31).
+    __device__ static unsigned values(const Piece& pc, int w) {
+        return high(pc) ? (pc.q[w] ^ 0x80808080u) >> 4 : pc.q[w];
     }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         // fl(fl(ds * q) - dm) in one FFMA: ds * q is exact (an fp16 times 6 bits, times 5 bits: <= 22 bits), and an
         // FMA rounds the exact ds * q - dm once, with the signed-zero rule of that sum.
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            w[i] = __fmaf_rn(pc.ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE), -pc.dm);
+            w[i] = __fmaf_rn(pc.ds, byte_minus(values(pc, 2 * r + i / 4), i % 4, MAGIC_U_VALUE), -pc.dm);
     }
     static constexpr int XB = 8 * sizeof(XBlock);
-    // One group: the sub-block, with activation block j.
+    // One group: the sub-block, with activation block j. u = the sum of q qx; for Q4_K's odd pieces the bytes are
+    // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
         const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
         const int4 meta = x.meta();
-        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
+        int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
+        if (high(pc)) u = (u + 128 * meta.y) >> 4;
         return group_term(__int_as_float(meta.x), pc.ds, u, pc.dm, meta.y);
     }
 };
