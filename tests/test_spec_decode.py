@@ -20,7 +20,8 @@ from lucegen.spec_decode import (
     speculative_generate,
     tree_forward,
 )
-from lucegen.spec_decode.tree import top_k_ids
+from lucegen.spec_decode.decode import ORACLE_TOP
+from lucegen.spec_decode.tree import TopK, top_k_ids
 
 CFG = tiny_config()
 WEIGHTS = random_weights(CFG, seed=1)
@@ -171,3 +172,30 @@ def test_top_k_ids_are_a_stable_sorts_first_k(rows, vocab, k, ties, seed):
     scores = rng.integers(-3, 3, (rows, vocab)).astype(np.float64) if ties else rng.standard_normal((rows, vocab))
     want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     np.testing.assert_array_equal(top_k_ids(scores, k), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(2, 300), run=st.one_of(st.none(), st.integers(0, 4)), accuracy=st.sampled_from([0.0, 0.5, 1]),
+       on_path=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_the_oracle_hands_over_the_top_of_its_whole_distribution(vocab, run, accuracy, on_path, seed):
+    """The TopK is the first columns of a stable sort of the oracle's row over the whole vocabulary, normalised
+    over all of it; with a vocabulary within ORACLE_TOP the row is all there, so it can be checked whole."""
+    rng = np.random.default_rng(seed)
+    target = [int(t) for t in rng.integers(0, vocab, 12)]
+    context = [1, 2, *(target[:3] if on_path else [(target[0] + 1) % vocab, 0, 0])]
+    top = oracle_draft(target, 2, vocab, accuracy=accuracy, seed=seed, run=run)(context, 5)
+    assert isinstance(top, TopK) and top.ids.shape == top.logprobs.shape == (5, min(vocab, ORACLE_TOP))
+    for ids, lps in zip(top.ids, top.logprobs):
+        assert len(set(ids.tolist())) == len(ids)
+        assert all(x > y or (x == y and a < b) for a, b, x, y in zip(ids, ids[1:], lps, lps[1:]))  # stable order
+        if vocab <= ORACLE_TOP:  # the whole row: a distribution, and the stable order of it
+            dense = np.empty(vocab)
+            dense[ids] = lps
+            assert abs(np.log(np.exp(dense).sum())) < 1e-9
+            np.testing.assert_array_equal(ids, top_k_ids(dense[None], vocab)[0])
+        else:  # the mass not handed over: the other tokens, none above the last one handed over (the float64 sum
+            # of len(lps) terms near 1 is exact to len(lps) ulps of 1)
+            rest = 1 - np.exp(lps).sum()
+            assert -len(lps) * 2.0**-52 < rest <= (vocab - len(lps)) * np.exp(lps[-1]) + len(lps) * 2.0**-52
+    if on_path and accuracy == 1 and (run is None or run > 0) and vocab > 1:
+        assert top.ids[0, 0] == target[3]  # the true next token (after the 3 on the path) first

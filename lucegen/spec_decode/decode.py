@@ -1,7 +1,7 @@
 """The speculative decode loop: draft, build a tree, one target pass over it, walk, commit.
 
 draft_fn(context_ids, n) returns log-probs [n, vocab] for the next n positions after the context (the DFlash draft
-plugs in here). Each round emits the accepted draft tokens and the bonus token; the bonus is the next round's root.
+plugs in here), or their best tokens per position (tree.TopK: all a DDTree needs). Each round emits the accepted draft tokens and the bonus token; the bonus is the next round's root.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from lucegen.engine.sampling import Sampler, SamplingParams
 from lucegen.model.config import ModelConfig
 from lucegen.reference.model import State, Weights, prefill
 from lucegen.spec_decode.accept import commit, walk
-from lucegen.spec_decode.tree import build_tree
+from lucegen.spec_decode.tree import TopK, build_tree
 from lucegen.spec_decode.verify import tree_forward
 
-DraftFn = Callable[[Sequence[int], int], np.ndarray]
+DraftFn = Callable[[Sequence[int], int], "np.ndarray | TopK"]
 GREEDY = SamplingParams(temperature=0)
 
 
@@ -94,45 +94,51 @@ def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequenc
     return out
 
 
-ORACLE_SPREAD = 64
-LOW = -30.0  # the oracle's log-prob (before normalisation) of the tokens it does not rank
+ORACLE_SPREAD = 64  # random tokens per position the oracle ranks below its guesses
+ORACLE_TOP = 128    # tokens per position it hands DDTree (a TopK): more than any budget it is run with
+LOW = -30.0         # the log-prob (before normalisation) of the tokens it does not rank
 
 
 def oracle_draft(target: Sequence[int], prompt_len: int, vocab_size: int, accuracy: float = 1.0,
                  seed: int = 0, run: int | None = None) -> DraftFn:
     """A draft that knows the continuation target (tokens after the prompt): at each position it ranks the true
     token first with probability accuracy, else a random wrong token first (the true one second); below them
-    ORACLE_SPREAD random tokens with random log-probs, then the rest of the vocabulary at the log-prob LOW (drawing
-    a value for each of 248K tokens per position cost more than the verify it feeds). Off the target's path (after
-    a rejected guess) its guesses are simply random.
+    ORACLE_SPREAD random tokens with random log-probs, then the rest of the vocabulary at the log-prob LOW. Off the
+    target's path (after a rejected guess) its guesses are simply random.
     run: only the first `run` positions of each call are guessed so; past them the true token ranks last (below
-    LOW), out of any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus)."""
+    LOW), out of any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus).
+    It hands over the best ORACLE_TOP tokens of each position (a TopK, normalised log-probs), exactly the first
+    columns of a stable sort of the whole distribution: building and normalising [n, vocab] rows on the host cost
+    more than the GPU verify they feed."""
     rng = np.random.default_rng(seed)
+    top = min(ORACLE_TOP, vocab_size)
 
-    def draft(context: Sequence[int], n: int) -> np.ndarray:
-        lp = np.full((n, vocab_size), LOW)
+    def draft(context: Sequence[int], n: int) -> TopK:
         spread = rng.integers(0, vocab_size, (n, min(ORACLE_SPREAD, vocab_size)))
-        lp[np.arange(n)[:, None], spread] = np.minimum(rng.normal(size=spread.shape) - 4, -2.0)  # below 0 and -1
-        ranked = [list(row) for row in spread]  # per position, the tokens not at LOW
+        values = np.minimum(rng.normal(size=spread.shape) - 4, -2.0)  # below the guesses' 0 and -1
+        rows = [dict(zip(map(int, ids), vals)) for ids, vals in zip(spread, values)]  # token -> log-prob, not LOW
         on_path = list(context[prompt_len:]) == list(target[:len(context) - prompt_len])
         for d in range(n):
             i = len(context) - prompt_len + d
             if not on_path or i >= len(target):
                 break
             if run is not None and d >= run:
-                lp[d, target[i]] = LOW - 1.0
-                ranked[d].append(target[i])
+                rows[d][int(target[i])] = LOW - 1.0
                 continue
             wrong = (target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size
             first, second = (target[i], wrong) if rng.random() < accuracy else (wrong, target[i])
-            lp[d, first], lp[d, second] = 0.0, -1.0
-            ranked[d] += [first, second]
-        for d, tokens in enumerate(ranked):  # normalised from the ranked values and the count at LOW: an exp over
-            tokens = np.unique(tokens)       # 248K values per position costs more than the verify it feeds
-            values = np.append(lp[d, tokens], LOW)
-            weights = np.append(np.ones(len(tokens)), vocab_size - len(tokens))
-            top = values.max()
-            lp[d] -= top + np.log(weights @ np.exp(values - top))
-        return lp
+            rows[d][int(first)], rows[d][int(second)] = 0.0, -1.0
+        ids, lps = np.empty((n, top), np.int64), np.empty((n, top))
+        for d, row in enumerate(rows):
+            # the best `top` of the whole row are among its ranked tokens and the `top` lowest ids at LOW
+            fill = [t for t in range(min(vocab_size, len(row) + top)) if t not in row][:top]
+            cand = {**row, **dict.fromkeys(fill, LOW)}
+            order = sorted(cand, key=lambda t: (-cand[t], t))[:top]
+            vals = np.array(list(row.values()) + [LOW])
+            weights = np.append(np.ones(len(row)), vocab_size - len(row))  # normalised over the whole vocabulary
+            peak = vals.max()
+            ids[d] = order
+            lps[d] = [cand[t] for t in order] - (peak + np.log(weights @ np.exp(vals - peak)))
+        return TopK(ids, lps)
 
     return draft

@@ -52,6 +52,15 @@ class Tree:
         return vis
 
 
+@dataclass(frozen=True)
+class TopK:
+    """A draft's best tokens per position, best first (ties: the lower token id first): ids [L, K] and their
+    log-probs [L, K]. All DDTree needs of a draft (only the top `budget` tokens of a depth can be in a tree, and the
+    acceptance walk samples the target alone), without the [L, vocab] log-probs: a draft may hand this instead."""
+    ids: np.ndarray
+    logprobs: np.ndarray
+
+
 def top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
     """The first k columns of a stable descending argsort of each row of scores [L, V] (ties: the lower index
     first), in O(V) per row instead of a sort of the whole vocabulary: the k-th largest value by a partition, the
@@ -71,18 +80,25 @@ def top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def build_tree(logprobs: np.ndarray, budget: int, root: int = 0, chain_seed: bool = True,
+def build_tree(logprobs: np.ndarray | TopK, budget: int, root: int = 0, chain_seed: bool = True,
                top_k: int | None = None) -> Tree:
-    """A tree of at most budget nodes below the root from draft log-probs [L, V] (depth d+1 in row d).
+    """A tree of at most budget nodes below the root from draft log-probs [L, V] (depth d+1 in row d), or from a
+    draft's TopK (then at most its K tokens a depth).
 
     Only the top_k = min(budget, V) tokens per depth can appear (Lemma 1); top_k=1 gives a chain. chain_seed first
     inserts the top-1 chain, then continues best-first (the LB port's default; off = the paper's pure best-first,
     which yields exactly the budget most probable prefixes).
     """
-    L, V = logprobs.shape
+    if isinstance(logprobs, TopK):
+        L, V = logprobs.ids.shape
+    else:
+        L, V = logprobs.shape
     K = min(budget, V) if top_k is None else min(top_k, budget, V)
-    ids = top_k_ids(logprobs, K)  # rank 0 = best
-    lp = np.take_along_axis(logprobs, ids, axis=1).astype(np.float64)
+    if isinstance(logprobs, TopK):
+        ids, lp = logprobs.ids[:, :K], logprobs.logprobs[:, :K].astype(np.float64)
+    else:
+        ids = top_k_ids(logprobs, K)  # rank 0 = best
+        lp = np.take_along_axis(logprobs, ids, axis=1).astype(np.float64)
     tree = Tree([root], [-1], [0], [{}])
     if budget < 1 or L < 1:
         return tree
