@@ -295,3 +295,35 @@ def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
             quantized.add("lm_head.weight")
         ref.update({k: ActivationQuantized(ref[k]) for k in quantized})
     return weights, ref
+
+
+# ---- checks both the host emulation and the GPU run --------------------------------------------------------------
+def after(engine, context, tokens=()) -> np.ndarray:
+    """Reset, prefill `context` in the engine's chunks, then decode `tokens` one by one; the last logits."""
+    engine.reset()
+    logits = engine.prefill([int(t) for t in context])
+    for t in tokens:
+        logits = engine.decode(int(t))
+    return logits
+
+
+def assert_speculation_is_plain_greedy(engine, prompt, n: int, depth: int, budget: int, chain: bool,
+                                       seed: int) -> None:
+    """engine.speculate through its TreeVerifier with a noisy oracle draft of plain greedy decoding (accuracy 0.8)
+    gives exactly plain greedy decoding's n tokens, in fewer than 0.75 (n - 1) target passes."""
+    from lucegen.engine.layered_verify import TreeVerifier
+    from lucegen.engine.sampling import Sampler, SamplingParams
+    from lucegen.spec_decode import Speculation, oracle_draft
+    plain = [int(np.argmax(after(engine, prompt)))]
+    while len(plain) < n:
+        plain.append(int(np.argmax(engine.decode(plain[-1]))))
+    draft = oracle_draft(plain, len(prompt), engine.config.vocab_size, accuracy=0.8, seed=seed)
+    engine.speculation = Speculation(draft, depth=depth, budget=budget, chain=chain)
+    out, rounds, greedy = [int(np.argmax(after(engine, prompt)))], 0, Sampler(SamplingParams(temperature=0))
+    while len(out) < n:
+        out += engine.speculate([*prompt, *out], n - len(out), greedy)
+        rounds += 1
+    assert isinstance(engine._verifier, TreeVerifier)
+    assert out == plain
+    assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the draft's tokens were not accepted"
+

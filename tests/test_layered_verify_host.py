@@ -13,14 +13,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lucegen.engine.base import ContextOverflow
 from lucegen.engine.layered import LayeredEngine
-from lucegen.engine.layered_verify import TreeVerifier
 from lucegen.engine.sampling import Sampler, SamplingParams
 from lucegen.model.config import tiny_config
 from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.spec import load_spec
 from lucegen.spec_decode import Speculation, oracle_draft
 from lucegen.spec_decode.tree import ancestry
-from host_layered import layered_on_host
+from host_layered import after, assert_speculation_is_plain_greedy, layered_on_host
 
 CFG = tiny_config()
 SPEC = load_spec("h200")
@@ -39,14 +38,6 @@ def engine():
         e = LayeredEngine(WEIGHTS, CFG, spec=SPEC, max_context=128, chunk=4)
         yield e
         e.free()
-
-
-def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray:
-    engine.reset()
-    logits = engine.prefill([int(t) for t in context])
-    for t in tokens:
-        logits = engine.decode(int(t))
-    return logits
 
 
 def state_of(engine: LayeredEngine) -> dict:
@@ -107,19 +98,7 @@ def test_a_commit_leaves_the_state_of_decoding_the_path(engine, parents, prefix,
 @pytest.mark.parametrize("chain", [False, True])
 def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(engine, chain):
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 5)]
-    n = 24
-    plain = [int(np.argmax(after(engine, prompt)))]
-    while len(plain) < n:
-        plain.append(int(np.argmax(engine.decode(plain[-1]))))
-    engine.speculation = Speculation(oracle_draft(plain, len(prompt), CFG.vocab_size, accuracy=0.8, seed=4),
-                                     depth=6, budget=12, chain=chain)
-    out, rounds, greedy = [int(np.argmax(after(engine, prompt)))], 0, Sampler(SamplingParams(temperature=0))
-    while len(out) < n:
-        out += engine.speculate([*prompt, *out], n - len(out), greedy)
-        rounds += 1
-    assert isinstance(engine._verifier, TreeVerifier)
-    assert out == plain
-    assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the draft's tokens were not accepted"
+    assert_speculation_is_plain_greedy(engine, prompt, 24, depth=6, budget=12, chain=chain, seed=4)
 
 
 def test_the_verifier_says_what_is_wrong(engine):

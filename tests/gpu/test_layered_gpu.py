@@ -34,7 +34,7 @@ from lucegen.model.gguf_file import load_gguf
 from lucegen.reference import State, decode_step, generate, relative_error
 from lucegen.spec_decode.tree import ancestry
 
-from host_layered import RATIO3_Q, checkpoint, unquantized
+from host_layered import RATIO3_Q, after, assert_speculation_is_plain_greedy, checkpoint, unquantized
 
 pytestmark = pytest.mark.gpu
 STEP_RTOL = 1e-2
@@ -217,15 +217,6 @@ def state_bytes(engine: LayeredEngine) -> dict:
                                          for i, a in getattr(ref, t).items()}}
 
 
-def after(engine: LayeredEngine, context, tokens=()) -> np.ndarray | None:
-    """Reset, prefill `context` in the engine's chunks, then decode `tokens` one by one; the last logits."""
-    engine.reset()
-    logits = engine.prefill(context)
-    for t in tokens:
-        logits = engine.decode(int(t))
-    return logits
-
-
 @pytest.mark.parametrize("fmt,tree_name", [("gguf", "branches"), ("gguf", "full"), ("hf", "branches")])
 def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(gguf, tmp_path_factory, fmt, tree_name):
     """Every node's logits from one forward over the tree equal those of decoding its ancestors and itself one
@@ -277,25 +268,8 @@ def test_a_commit_leaves_the_state_of_decoding_the_path(gguf, path):
 def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(tmp_path_factory, budget, chain):
     """LayeredEngine.speculate (the tree verifier) with a noisy oracle draft: the tokens of plain greedy decoding,
     in fewer target passes than tokens."""
-    from lucegen.engine.layered_verify import TreeVerifier
-    from lucegen.engine.sampling import Sampler, SamplingParams
-    from lucegen.spec_decode import Speculation, oracle_draft
     weights, _ = checkpoint(tmp_path_factory, "gguf", peaked=True)
     engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
     prompt = [int(t) for t in np.random.default_rng(10).integers(0, RATIO3_Q.vocab_size, 9)]
-    n = 48
-    logits = after(engine, prompt)
-    plain = [int(np.argmax(logits))]
-    while len(plain) < n:
-        plain.append(int(np.argmax(engine.decode(plain[-1]))))
-    draft = oracle_draft(plain, len(prompt), RATIO3_Q.vocab_size, accuracy=0.8, seed=3)
-    engine.speculation = Speculation(draft, depth=7, budget=min(budget, engine.spec.tuning.ddtree.budget),
-                                     chain=chain)
-    logits = after(engine, prompt)
-    out, rounds, greedy = [int(np.argmax(logits))], 0, Sampler(SamplingParams(temperature=0))
-    while len(out) < n:
-        out += engine.speculate([*prompt, *out], n - len(out), greedy)
-        rounds += 1
-    assert isinstance(engine._verifier, TreeVerifier)
-    assert out == plain
-    assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the oracle's tokens were not accepted"
+    assert_speculation_is_plain_greedy(engine, prompt, 48, depth=7, chain=chain, seed=3,
+                                       budget=min(budget, engine.spec.tuning.ddtree.budget))
