@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lucegen.bench.prefill import kernel_kind
+from lucegen.bench.timing import kernel_kind
 from lucegen.engine.prefill import units
 from lucegen.kernels import gemm
 from lucegen.model.config import load_config

@@ -7,21 +7,31 @@ depend on the values; a real 27B GGUF through the numpy quantizer would take hou
                      token; the limit is the bytes a step must read (every matrix, one embedding row, the KV cache
                      up to N, the DeltaNet states read and written) at the read rate measured in the same run.
 
+    kernels          after tg128 at the first context (512): one step at that position timed kernel by kernel (its
+                     launches made eagerly, an event pair around each, behind >= 200 ms of replays of its graph so
+                     that no kernel waits for its launch: timing.launch_times), per kernel kind (qgemv_q4_k,
+                     qgemv_q6_k, tree_deltanet, tree_attention, layered_add_rmsnorm, ...): time per step, launches and
+                     share of the kernels' sum; the graph step's time (tg128's per token) less that sum is the gaps
+                     between launches
+
     projections      the step's quantized projections alone (one graph of every layer's, M = 1): their time per
                      token and read rate; the rest of a step is mixers, row kernels and the gaps between ~600 launches
 
-Results: metric tg128_tok_s, model "qwen3.5-27b q4_k_m ctx=N", and step_projections_us, through Recorder.
+Results, through Recorder: tg128_tok_s (model "qwen3.5-27b q4_k_m ctx=N"); decode_kernel_us_<kind> and
+decode_launch_gap_us (model "qwen3.5-27b q4_k_m ctx=512", with launches and, per kind, share); step_projections_us.
 """
 from __future__ import annotations
 
-from ..engine.layered import LayeredEngine
-from ..engine.layered_weights import RandomSource
+import numpy as np
+
+from ..engine.layered import LayeredEngine, LayeredStep
+from ..engine.layered_weights import Projection, RandomSource
 from ..model.config import load_config
-from ..engine.layered_weights import Projection
 from ..runtime import Event, Graph
 from ..spec import spec_for_current_device
 from .gemv import measure_read_gbs
 from .results import Recorder
+from .timing import by_kind, launch_times, queued_replays
 
 TG = 128
 WARMUP = 8
@@ -64,11 +74,38 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
         rec.record("tg128_tok_s", f"{cfg.name} {mix} ctx={ctx}", tok_s, "tok/s", limit,
                    ms_per_token=round(ms / TG, 4), bytes_per_token=per_token, read_gbs=round(read_gbs, 1),
                    achieved_gbs=round(per_token * tok_s / 1e9, 1), path="layered step, one CUDA graph a token")
+        if ctx == contexts[0]:
+            step_breakdown(rec, step, f"{cfg.name} {mix} ctx={ctx}", ctx, ms / TG)
     proj_us = projections_us(step)
     proj_bytes = weights - engine.weights.embed.nbytes // cfg.vocab_size
     rec.record("step_projections_us", f"{cfg.name} {mix}", proj_us, "us", proj_bytes / (read_gbs * 1e3),
                achieved_gbs=round(proj_bytes / (proj_us * 1e3), 1), bytes=proj_bytes)
     engine.free()
+
+
+def step_breakdown(rec: Recorder, step: LayeredStep, model: str, ctx: int, step_ms: float) -> None:
+    """One decode step at position ctx timed kernel by kernel behind replays of its graph (step_ms each, captured
+    already): each kernel kind's time per step (decode_kernel_us_<kind>), longest first, and what the graph step
+    takes beyond their sum (decode_launch_gap_us). Leaves the state's position where the device's is."""
+    state = step.state
+    steps = queued_replays(step_ms) + 1  # the replays and the eager pass each advance io's position on the device
+    if steps > state.max_context:
+        print(f"{model}: no kernel breakdown ({steps} steps do not fit a context of {state.max_context})")
+        return
+    state.position = min(ctx, state.max_context - steps)
+    step.upload(np.array([1]))  # io = [position, any token]
+    launches = launch_times(lambda s: step.enqueue(1, s), step.graphs[step, 1], step_ms, step.stream)
+    state.position += steps
+    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
+    total, step_us = sum(us for _, (us, _, _) in kinds), step_ms * 1e3
+    print(f"{model}: one decode step kernel by kernel\n  {'kind':<26} {'launches':>8} {'us/step':>9} {'share':>6}")
+    for kind, (us, n, _) in kinds:
+        print(f"  {kind:<26} {n:>8} {us:>9.1f} {us / total:>6.1%}")
+    print(f"graph step {step_us:.0f} us, kernels timed one by one {total:.0f} us, the rest (launch gaps) "
+          f"{step_us - total:.0f} us")
+    for kind, (us, n, _) in kinds:
+        rec.record(f"decode_kernel_us_{kind}", model, us, "us", launches=n, share=round(us / total, 3))
+    rec.record("decode_launch_gap_us", model, step_us - total, "us", launches=len(launches))
 
 
 def projections_us(step, repeat: int = 20) -> float:

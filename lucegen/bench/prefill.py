@@ -19,8 +19,6 @@ replays, so the host's launches stay ahead of the GPU and the events time kernel
 from __future__ import annotations
 
 import importlib.util
-import math
-import re
 
 import numpy as np
 
@@ -31,10 +29,10 @@ from ..engine.weights import DeviceWeights
 from ..kernels import fill, gemm
 from ..kernels.megakernel import BF16
 from ..model.config import LINEAR, ModelConfig, load_config, tiny_config
-from ..runtime import DeviceArray, Event, Graph, Stream, device_info, observe_launches, synchronize
+from ..runtime import DeviceArray, Graph, Stream, device_info, synchronize
 from ..spec import ChipSpec, gemm_methods, spec_for_current_device
 from .results import Recorder
-from .timing import median_ms
+from .timing import by_kind, launch_times, median_ms
 
 MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
 LENGTHS = (520, 4096, 32768)
@@ -42,8 +40,6 @@ GEMM_TOKENS = {"qwen3.5-27b": 4096, "qwen3.5-0.8b": 520}  # models whose GEMM sh
 MATMUL_N = 8192
 BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind, for every GEMM variant
 SPLIT_K = 4                      # the split-K variants' tuning.prefill.split_k
-QUEUED_MS = 200.0                # graph replays queued ahead of the timed eager pass
-_SHAPE_PART = re.compile(r"(wg)?\d+x\d+|[hk]\d+")  # the parts of a kernel name that name a shape
 
 
 def matrix_params(cfg: ModelConfig) -> int:
@@ -171,12 +167,6 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
             a.free()
 
 
-def kernel_kind(name: str) -> str:
-    """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
-    rmsnorm_f32_h1024 -> rmsnorm_f32, gemv_bf16_k1024 -> gemv_bf16)."""
-    return "_".join(p for p in name.split("_") if not _SHAPE_PART.fullmatch(p))
-
-
 def graph_ms(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, T: int,
              stream: Stream) -> tuple[Graph, float]:
     """The prefill of `ids` captured in a graph, and the median time of a replay in milliseconds."""
@@ -187,32 +177,17 @@ def graph_ms(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: 
     return graph, median_ms(lambda s: graph.launch(s), stream, warmup_s=1.0, repeat=5 if T > 4096 else 20)
 
 
+def gemm_flops(name: str, args: tuple) -> float:
+    """FLOPs of a GEMM launch (args: X, W, Y, M, N, K); 0 for other kernels."""
+    return 2.0 * args[3] * args[4] * args[5] if name.startswith("gemm_") else 0.0
+
+
 def kernel_times(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, graph: Graph,
                  ms: float, stream: Stream) -> dict[str, list]:
-    """{kind: [device microseconds, launches, GEMM FLOPs]} of one eager pass of the prefill with an event pair around
-    every launch, enqueued behind >= QUEUED_MS of replays of its graph (ms each), so no kernel waits for its launch."""
-    for _ in range(math.ceil(QUEUED_MS / ms)):
-        graph.launch(stream)
-    marks = []
-
-    def timed(kernel, args, s, launch):
-        start = Event().record(s)
-        launch()
-        marks.append((kernel.name, args, start, Event().record(s)))
-
+    """{kind: [device microseconds, launches, GEMM FLOPs]} of one eager pass of the prefill timed kernel by kernel
+    behind replays of its graph (ms each): timing.launch_times."""
     state.reset()
-    with observe_launches(timed):
-        prefill.enqueue(weights, state, ids, stream)
-    stream.synchronize()
-    kinds: dict[str, list] = {}
-    for name, args, start, end in marks:
-        k = kinds.setdefault(kernel_kind(name), [0.0, 0, 0.0])
-        k[0] += start.elapsed_ms(end) * 1e3
-        k[1] += 1
-        if name.startswith("gemm_"):  # args: X, W, Y, M, N, K
-            k[2] += 2.0 * args[3] * args[4] * args[5]
-        start.destroy(), end.destroy()
-    return kinds
+    return by_kind(launch_times(lambda s: prefill.enqueue(weights, state, ids, s), graph, ms, stream), gemm_flops)
 
 
 def record_breakdown(rec: Recorder, cfg: ModelConfig, T: int, spec: ChipSpec, kinds: dict[str, list],

@@ -1,11 +1,17 @@
-"""Device-event timing: warm up long enough for the clocks to settle, repeat, take the median."""
+"""Device-event timing: warm up long enough for the clocks to settle, repeat, take the median; and each kernel of a
+sequence of launches timed one by one (launch_times), grouped by kind (by_kind)."""
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable, Iterable
 
-from ..runtime import Event, Stream
+from ..runtime import Event, Graph, Stream, observe_launches
+
+QUEUED_MS = 200.0  # graph replays queued ahead of an eager pass timed kernel by kernel
+_SHAPE_PART = re.compile(r"(wg)?\d+x\d+|[hkmrst]\d+|st\d+")  # the parts of a kernel name that name a shape
 
 
 def median_ms(fn: Callable[[Stream], None], stream: Stream, warmup_s: float = 0.3, repeat: int = 30) -> float:
@@ -21,3 +27,53 @@ def median_ms(fn: Callable[[Stream], None], stream: Stream, warmup_s: float = 0.
         end = Event().record(stream)
         times.append(start.elapsed_ms(end))
     return statistics.median(times)
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
+    rmsnorm_f32_h1024 -> rmsnorm_f32, qgemv_q4_k_k5120_r1_s2_t256_st3 -> qgemv_q4_k, qgemm_m8_q6_k_k5120_r1_s1_t256
+    -> qgemm_q6_k)."""
+    return "_".join(p for p in name.split("_") if not _SHAPE_PART.fullmatch(p))
+
+
+def queued_replays(graph_ms: float) -> int:
+    """How many replays of a graph of graph_ms launch_times queues ahead of its eager pass."""
+    return math.ceil(QUEUED_MS / graph_ms)
+
+
+def launch_times(enqueue: Callable[[Stream], None], graph: Graph, graph_ms: float,
+                 stream: Stream) -> list[tuple[str, tuple, float]]:
+    """(kernel name, launch args, device microseconds) of every launch of one eager enqueue(stream), in launch order,
+    each kernel between an event pair. The pass is enqueued behind queued_replays(graph_ms) replays of `graph` (the
+    same work captured, graph_ms each), so the host's launches stay ahead of the device: no kernel waits for its
+    launch and each event pair times one kernel rather than a launch gap."""
+    for _ in range(queued_replays(graph_ms)):
+        graph.launch(stream)
+    marks = []
+
+    def timed(kernel, args, s, launch):
+        start = Event().record(s)
+        launch()
+        marks.append((kernel.name, args, start, Event().record(s)))
+
+    with observe_launches(timed):
+        enqueue(stream)
+    stream.synchronize()
+    out = []
+    for name, args, start, end in marks:
+        out.append((name, args, start.elapsed_ms(end) * 1e3))
+        start.destroy(), end.destroy()
+    return out
+
+
+def by_kind(launches: Iterable[tuple[str, tuple, float]],
+            flops: Callable[[str, tuple], float] = lambda name, args: 0.0) -> dict[str, list]:
+    """{kernel_kind: [microseconds, launches, FLOPs]} of launch_times' list, in order of first launch; flops(name,
+    args): a launch's FLOPs (none by default)."""
+    kinds: dict[str, list] = {}
+    for name, args, us in launches:
+        k = kinds.setdefault(kernel_kind(name), [0.0, 0, 0.0])
+        k[0] += us
+        k[1] += 1
+        k[2] += flops(name, args)
+    return kinds
