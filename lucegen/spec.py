@@ -81,8 +81,16 @@ class QGemvTuning:
     span: int = 2             # K-slices (32 pieces) a warp loads before multiplying: 16-byte loads in flight per lane
     gemm_m_tile: int = 8      # activation rows per block of the GEMM (M > 1); the weights are re-read per M-tile
     gemm_span: int = 1
+    gemm_rows_per_warp: int = 1  # the GEMM's: each activation row read from L1 serves this many weight rows
     stages: int = 0           # items (span slices of its rows) in each warp's cp.async ring in shared memory; 0: none,
                               # the loads go straight into registers
+
+
+@dataclass(frozen=True)
+class LayeredTuning:
+    """The layer-by-layer step (lucegen/engine/layered.py)."""
+    pdl: bool = False  # programmatic dependent launch (sm_90+): a kernel's blocks start, and the GEMVs fetch their
+                       # weights into L2, while the kernel before it finishes
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class Tuning:
     megakernel: MegakernelTuning
     gemv: GemvTuning = field(default_factory=GemvTuning)
     qgemv: QGemvTuning = field(default_factory=QGemvTuning)
+    layered: LayeredTuning = field(default_factory=LayeredTuning)
     norm: Launch = field(default_factory=lambda: Launch(threads=256))
     argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
     ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
@@ -284,7 +293,7 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if not 1 <= t.gemv.rows_per_warp <= 8:
         _fail(source, "tuning.gemv.rows_per_warp", f"{t.gemv.rows_per_warp} must be between 1 and 8")
     _check_launch(spec, source, "tuning.qgemv", t.qgemv.threads, c.sm_count)
-    for key in ("rows_per_warp", "span", "gemm_span"):
+    for key in ("rows_per_warp", "span", "gemm_span", "gemm_rows_per_warp"):
         if not 1 <= getattr(t.qgemv, key) <= 8:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
@@ -318,6 +327,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"DeltaNet chunk) between 64 and max_context {t.max_context}")
     if t.prefill.gemm not in GEMM_METHODS:
         _fail(source, "tuning.prefill.gemm", f"{t.prefill.gemm!r} is not one of {', '.join(GEMM_METHODS)}")
+    if t.layered.pdl and c.cc < 90:
+        _fail(source, "tuning.layered.pdl", f"programmatic dependent launch needs sm_90 or newer; this chip is "
+              f"{c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if not 1 <= t.prefill.split_k <= 8:

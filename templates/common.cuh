@@ -34,6 +34,25 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+). On a stream that launches with it (lucegen.runtime.Stream(programmatic=
+// True)), a kernel's blocks may start while the kernel before it still runs: each must pass wait_for_prior_grids()
+// before it touches memory that earlier kernels write or read (the wait returns once the kernel before has
+// finished and its writes are visible; that one waited for its own predecessor, so all earlier kernels are done).
+// Work on memory no kernel writes (weights) may come first. launch_next_grid() lets the next kernel's blocks be
+// scheduled (at the latest they are when this kernel ends). Both do nothing without the launch attribute or
+// before sm_90.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_next_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Eight bf16 packed in a uint4 -> dot product with eight other bf16, accumulated in fp32.
 __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);

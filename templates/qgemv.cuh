@@ -65,6 +65,10 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const int r0 = (blockIdx.x / mtiles) * Q::G + warp * ROWS;  // the warp's first row
     if (r0 >= N) return;
     const int nrows = min(ROWS, N - r0);
+    // The weights are written by no kernel: L2 may fetch the warp's rows while the kernel before still runs
+    // (programmatic launch: common.cuh); the activations are read after it is done.
+    if (blockIdx.x % mtiles == 0) prefetch_l2(W + (long long)r0 * Q::ROW_BYTES, nrows * Q::ROW_BYTES);
+    wait_for_prior_grids();
     const int b = lane / F::PIECES, p = lane % F::PIECES;  // this lane's block in a slice and piece in it
     // Branch-free products, so that the compiler issues every load of an item before the first product: rows past
     // N, activation rows past M and the lanes past the end of a partial last slice read valid bytes (the last row,
@@ -136,6 +140,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         }
     }
     if constexpr (STAGES > 1) cp_async_wait<0>();
+    launch_next_grid();  // once every warp is past its loads: the next kernel's blocks take the freed slots
 #pragma unroll
     for (int j = 0; j < ROWS; ++j)
 #pragma unroll

@@ -52,6 +52,9 @@ class HostGraph:
 
 
 class HostStream:
+    def __init__(self, programmatic: bool = False):
+        self.programmatic = programmatic
+
     def synchronize(self) -> None:
         pass
 

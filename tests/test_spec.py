@@ -97,6 +97,15 @@ def test_fp8_kv_needs_ada_or_newer(tmp_path):
         load_spec(_write(tmp_path, mutate))
 
 
+def test_programmatic_launch_needs_hopper(tmp_path):
+    def mutate(d):
+        d["chip"]["arch"] = "sm_89"
+        d["tuning"]["gemv"]["method"] = "ldg"
+        d["tuning"]["prefill"]["gemm"] = "mma"
+    with pytest.raises(SpecError, match=r"tuning.layered.pdl: programmatic dependent launch needs sm_90"):
+        load_spec(_write(tmp_path, mutate))
+
+
 def test_copy_engine_gemv_needs_hopper(tmp_path):
     with pytest.raises(SpecError, match=r"tuning.gemv.method: bulk copies need sm_90"):
         load_spec(_write(tmp_path, _set("chip.arch", "sm_89")))

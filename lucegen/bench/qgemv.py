@@ -82,6 +82,10 @@ TUNE_FORMATS = ("q4_k", "q6_k")  # Q4_K_M's two
 TUNE_MS = (1, 16, 64)
 
 
+def _label(t: qgemv.Tuning) -> str:
+    return f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}" + (f" st{t.stages}" if t.stages else "")
+
+
 def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
     """Every tuning of TUNE_GEMV (M = 1) and TUNE_GEMM (M in TUNE_MS) on each shape for Q4_K_M's formats; records
     qgemv_tune_bw_frac per tuning and prints the best per format and M."""
@@ -105,7 +109,7 @@ def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
                     op = qgemv.QMatmul(module, spec, fmt, k, kernels=(t,))
                     us = _us_per_call(op, ws, x, y, n, m, stream)
                     frac = raw.nbytes / (us * 1e-6) / 1e9 / read_gbs
-                    print(f"  {fmt} {label:<9} M={m:<3} t{t.threads} r{t.rows} mt{t.mt} s{t.span}: {us:8.1f} us "
+                    print(f"  {fmt} {label:<9} M={m:<3} {_label(t)}: {us:8.1f} us "
                           f"{frac:6.1%} of the read rate")
                     best.setdefault((fmt, m), {}).setdefault(t, [0.0, 0])
                     best[fmt, m][t][0] += us
@@ -118,7 +122,7 @@ def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
         shapes = max(b for _, b in times.values())
         ranked = sorted(((t, us) for t, (us, b) in times.items() if b == shapes), key=lambda kv: kv[1])
         print(f"{fmt} M={m}: best of {len(ranked)} tunings (us summed over the shapes): " +
-              ", ".join(f"t{t.threads} r{t.rows} mt{t.mt} s{t.span} {us:.1f}" for t, us in ranked[:4]))
+              ", ".join(f"{_label(t)} {us:.1f}" for t, us in ranked[:4]))
         t, us = ranked[0]
         rec.record("qgemv_tune_bw_frac", f"{fmt} M={m} (3 shapes)", shapes / (us * 1e-6) / 1e9 / read_gbs, "fraction",
                    1.0, us=round(us, 2), threads=t.threads, rows=t.rows, mt=t.mt, span=t.span)
@@ -151,7 +155,7 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
                 t = op.tuning_for(m)
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                            read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label,
-                           tuning=f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}")
+                           tuning=_label(t))
                 if m == 1:
                     us_m1 = us
                     exact = qgemv.reference(raw, fmt, x.numpy().reshape(1, k))

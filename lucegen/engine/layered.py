@@ -107,7 +107,7 @@ class LayeredStep:
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
         self.argmax = argmax.Argmax(mod("argmax"), spec)
-        self.stream = Stream()
+        self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}
         self._allocate(self.max_rows)
 

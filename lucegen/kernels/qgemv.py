@@ -248,7 +248,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     products whether it exists or not); spans no longer than K's slices."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
-    gemms = [Tuning(q.threads, q.rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
+    gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 

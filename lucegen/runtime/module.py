@@ -54,6 +54,21 @@ def _params(args: Sequence[Any]):
     return tuple(values), tuple(types)
 
 
+def _programmatic_config(g: tuple[int, int, int], b: tuple[int, int, int], smem: int, stream):
+    """cuLaunchKernelEx's configuration of a launch that may begin before the one ahead of it on the stream ends
+    (programmatic stream serialization)."""
+    drv = _drv()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = g
+    config.blockDimX, config.blockDimY, config.blockDimZ = b
+    config.sharedMemBytes, config.hStream = smem, stream
+    config.attrs, config.numAttrs = [attr], 1
+    return config
+
+
 class Kernel:
     def __init__(self, module: "Module", name: str):
         self.module, self.name = module, name
@@ -79,6 +94,8 @@ class Kernel:
         h = stream.handle if stream is not None else 0
         if cooperative:
             call("cuLaunchCooperativeKernel", self.handle, *g, *b, smem, h, _params(args))
+        elif getattr(stream, "programmatic", False):
+            call("cuLaunchKernelEx", _programmatic_config(g, b, smem, h), self.handle, _params(args), 0)
         else:
             call("cuLaunchKernel", self.handle, *g, *b, smem, h, _params(args), 0)
 

@@ -5,8 +5,13 @@ from .driver import _drv, call
 
 
 class Stream:
-    def __init__(self):
+    """A CUDA stream. programmatic: kernels launched on it may start before the kernel ahead of them ends
+    (programmatic dependent launch, sm_90+): every kernel launched on such a stream must wait for its predecessor
+    where templates/common.cuh says (wait_for_prior_grids), or it races with it."""
+
+    def __init__(self, programmatic: bool = False):
         self.handle = call("cuStreamCreate", _drv().CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self.programmatic = programmatic
 
     def synchronize(self) -> None:
         call("cuStreamSynchronize", self.handle)
