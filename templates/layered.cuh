@@ -1,6 +1,6 @@
 // layered.cuh: the small per-token-row kernels of the layer-by-layer step (lucegen/engine/layered.py) between its
-// quantized projections (qgemv.cuh) and its mixers (the tree kernels, tree.cuh). Rows are fp32; one block per
-// token row.
+// quantized projections (qgemv.cuh) and its mixers (the tree kernels, tree.cuh). Rows are fp32; a token row is one
+// block's where the kernel normalises the whole row, else spread over blocks (SiLU x up; the DeltaNet norm's heads).
 #pragma once
 #include "mk_attention.cuh"
 #include "norm.cuh"
@@ -28,39 +28,63 @@ __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, flo
     }
 }
 
-// x (fp32 [H]) += y (when given); then h = RMSNorm (1 + w) of x, fp32. `scratch` holds THREADS/32 floats.
+// x_out = x + y (y when given, else x itself) and h = RMSNorm (1 + w) of it, fp32, on quads [q0, q1) of the
+// H-wide row: the blocks of a row each take a part of it, every one summing the squares of the whole row in the same
+// order (so the same rstd, bit for bit; the row's ~20-40 KB come from L2). x_out must not be x (the other blocks
+// still read x). `scratch` holds THREADS/32 floats.
 template <int H, int THREADS>
-__device__ void add_rmsnorm_row(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                                float eps, float* __restrict__ h, float* scratch) {
-    float4* x4 = reinterpret_cast<float4*>(x);
-    if (y != nullptr) {
-        const float4* y4 = reinterpret_cast<const float4*>(y);
-        for (int q = threadIdx.x; q < H / 4; q += THREADS) {
-            const float4 a = x4[q], b = y4[q];
-            x4[q] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+__device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                                 float eps, float* __restrict__ x_out, float* __restrict__ h, int q0, int q1,
+                                 float* scratch) {
+    static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
+    constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4* y4 = reinterpret_cast<const float4*>(y);
+    float4 v[PER_THREAD];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int q = threadIdx.x + i * THREADS;
+        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (q < QUADS) {
+            v[i] = x4[q];
+            if (y != nullptr) {
+                const float4 b = y4[q];
+                v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);
+            }
         }
-        __syncthreads();
+        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
     }
-    rmsnorm_1p_stage<H, THREADS>(static_cast<const float*>(x), w, eps, GlobalQuads{reinterpret_cast<float4*>(h)},
-                                 scratch);
+    const float rstd = rsqrtf(block_sum<THREADS>(ss, scratch) / H + eps);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int q = threadIdx.x + i * THREADS;
+        if (q >= q0 && q < q1) {
+            const float4 g = __ldg(reinterpret_cast<const float4*>(w) + q);
+            reinterpret_cast<float4*>(x_out)[q] = v[i];
+            reinterpret_cast<float4*>(h)[q] = make_float4(v[i].x * rstd * (1.f + g.x), v[i].y * rstd * (1.f + g.y),
+                                                          v[i].z * rstd * (1.f + g.z), v[i].w * rstd * (1.f + g.w));
+        }
+    }
 }
 
-// xq = the XBlocks (quant.cuh) of this block's fp32 row of K values, once every thread's writes of the row are
-// done: the quantized GEMVs' activation quantization (qgemv.cuh's qquant_x, the same function) fused into the
-// kernel that makes the row, instead of a launch of its own before each projection. Rows whose K is not whole
-// 32-value blocks have no XBlocks (no quantized matrix takes them).
+// xq = the XBlocks (quant.cuh) of values [v0, v1) of an fp32 row of K values (v0, v1 multiples of 32), once every
+// thread's writes of them are done: the quantized GEMVs' activation quantization (qgemv.cuh's qquant_x, the same
+// function) fused into the kernel that makes the row, instead of a launch of its own before each projection. Rows
+// whose K is not whole 32-value blocks have no XBlocks (no quantized matrix takes them).
 template <int K, int THREADS>
-__device__ void quantize_row(const float* row, XBlock* __restrict__ xq) {
+__device__ void quantize_row(const float* row, XBlock* __restrict__ xq, int v0 = 0, int v1 = K) {
     if constexpr (K % 32 == 0) {
         __syncthreads();
-        for (int i = threadIdx.x; i < K / 32; i += THREADS) xq[i] = quantize_xblock(row + 32 * i);
+        for (int i = v0 / 32 + threadIdx.x; i < v1 / 32; i += THREADS) xq[i] = quantize_xblock(row + 32 * i);
     }
 }
 
-// act (fp32 [I]) = silu(gate) * up.
-template <int I, int THREADS>
-__device__ void silu_mul_row(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act) {
-    for (int i = threadIdx.x; i < I; i += THREADS) act[i] = silu(gate[i]) * up[i];
+// act [i0, i1) = silu(gate) * up there (fp32).
+template <int THREADS>
+__device__ void silu_mul_range(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act,
+                               int i0, int i1) {
+    for (int i = i0 + threadIdx.x; i < i1; i += THREADS) act[i] = silu(gate[i]) * up[i];
 }
 
 }  // namespace lucegen

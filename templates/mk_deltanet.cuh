@@ -232,15 +232,16 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
 }
 
 // The gated RMSNorm of the head outputs (weight w [dv], gate z = silu(z)) into shared memory as the staged input of
-// the out-projection. Warp h normalises heads h, h + WARPS, ...: one pass over the head's outputs and gates (their
+// the out-projection, heads [h0, h1). Warp h normalises heads h0 + h, h0 + h + WARPS, ...: one pass over the head's outputs and gates (their
 // loads in flight together) stages w o silu(z) and sums o^2, a second in shared memory scales it by 1 / rms(o).
 // Ends with __syncthreads.
 template <class M, int THREADS, class XS>
-__device__ void deltanet_gated_norm(const float* out, const float* z, const float* w, XS xs) {
+__device__ void deltanet_gated_norm(const float* out, const float* z, const float* w, XS xs, int h0 = 0,
+                                    int h1 = M::LIN_HV) {
     constexpr int DV = M::LIN_DV, WARPS = THREADS / 32;
     static_assert(DV % 4 == 0, "heads are whole float4 quads");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int h = warp; h < M::LIN_HV; h += WARPS) {
+    for (int h = h0 + warp; h < h1; h += WARPS) {
         const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
         const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
         float ss = 0.f;

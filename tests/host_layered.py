@@ -152,11 +152,11 @@ class LayeredHostKernel:
             m, V = grid[0], c.vocab_size
             store(rows_of(x, m, H), matrix(table, self.unit.removeprefix("layered_"), V, H)[io.a[1:1 + m]])
         elif name == "layered_add_rmsnorm":
-            x, y, w, h, xq = args
+            x, y, w, x_out, h, xq = args
             m = grid[0]
             x1, h1 = layered.add_rmsnorm_reference(rows_of(x, m, H), None if _array(y) is None else rows_of(y, m, H),
                                                    w.a, c.rms_norm_eps)
-            store(rows_of(x, m, H), x1)
+            store(rows_of(x_out, m, H), x1)
             store(rows_of(h, m, H), h1)
             write_xblocks(xq, rows_of(h, m, H))
         elif name == "layered_silu_mul":

@@ -5,7 +5,7 @@ DeviceState layout (lucegen/engine/state.py). For models the decode megakernel c
 
 One step over m tokens at positions p .. p+m-1 (rows fp32, [m, width]):
     x = embed(ids)                                             (a gather that decodes the embedding's format)
-    per layer:  h = rmsnorm(x (+= y, the previous layer's down projection))
+    per layer:  h = rmsnorm(x (+= y, the previous layer's down projection; the sum into the other of two buffers))
       DeltaNet: mixed = h [in_qkv | z | b | a]^T -> the mixer (conv ring, recurrent state) -> o
                 -> gated RMSNorm with z -> y = . out^T
       attention: qkv = h [q (query, gate) | k | v]^T -> the mixer (K/V into the cache, attention, gate) -> y = . o^T
@@ -117,7 +117,7 @@ class LayeredStep:
         width = max(p.n for p in projs if p is not W.lm_head)
         part = max((q.n for p in projs if len(p.parts) > 1 for q in p.parts), default=1)
         self.io = DeviceArray.zeros(1 + n, np.int32)
-        self.x, self.h, self.y = (DeviceArray.empty((n, c.hidden_size), np.float32) for _ in range(3))
+        self.x, self.x_next, self.h, self.y = (DeviceArray.empty((n, c.hidden_size), np.float32) for _ in range(4))
         self.proj = DeviceArray.empty((n, width), np.float32)
         self.part = DeviceArray.empty((n, part), np.float32)
         self.mix_out = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), np.float32)
@@ -155,9 +155,15 @@ class LayeredStep:
         mixer = mixer or self.mixer
         k.embed(W.embed.parts[0].w, self.io, self.x, m, stream=stream)
         hq, normedq, actq = self.hq, self.normedq, self.actq
+        residual = [self.x, self.x_next]  # each add + RMSNorm reads the first and writes the sum to the second
+
+        def add_norm(y, w):
+            k.add_rmsnorm(residual[0], y, w, residual[1], self.h, m, stream=stream, xq=hq)
+            residual.reverse()
+
         for i, kind in enumerate(c.layer_types):
             L = W.layers[i]
-            k.add_rmsnorm(self.x, None if i == 0 else self.y, L["ln1"], self.h, m, stream=stream, xq=hq)
+            add_norm(None if i == 0 else self.y, L["ln1"])
             if kind == LINEAR:
                 mixed = mixer.in_rows(i)
                 self.project(L["lin_in"], self.h, mixed, m, stream, hq)
@@ -168,11 +174,11 @@ class LayeredStep:
                 self.project(L["att_in"], self.h, self.proj, m, stream, hq)
                 mixer.full(L, i, self.proj, self.mix_out, m, stream)
                 self.project(L["att_out"], self.mix_out, self.y, m, stream)  # quantized by its GEMVs
-            k.add_rmsnorm(self.x, self.y, L["ln2"], self.h, m, stream=stream, xq=hq)
+            add_norm(self.y, L["ln2"])
             self.project(L["gate_up"], self.h, self.proj, m, stream, hq)
             k.silu_mul(self.proj, self.act, m, stream=stream, xq=actq)
             self.project(L["down"], self.act, self.y, m, stream, actq)
-        k.add_rmsnorm(self.x, self.y, W.final_norm, self.h, m, stream=stream, xq=hq)
+        add_norm(self.y, W.final_norm)
         V = c.vocab_size
         self.project(W.lm_head, self.h, self.logits, m, stream, hq)
         for t in range(m):
@@ -240,7 +246,7 @@ class LayeredStep:
     def free(self) -> None:
         for g in self.graphs.values():
             g.destroy()
-        for a in (self.io, self.x, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
+        for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
                   self.logits, self.tokens, self.hq, self.normedq, self.actq):
             if a is not None:
                 a.free()

@@ -18,7 +18,9 @@ from ..spec import ChipSpec
 from .megakernel import lin_in_rows
 from .qgemv import fmt_of
 
-NORM_WARPS = 8  # the DeltaNet gated RMSNorm's block: one token row
+NORM_WARPS = 8  # the DeltaNet gated RMSNorm's block: a warp per value head
+SILU_CHUNK = 4  # SiLU x up: a block takes this many values per thread of a row (whole XBlocks: threads are warps)
+NORM_CHUNK = 2  # add + RMSNorm: likewise (each block also reads the whole row, for its sum of squares)
 
 
 # ---- numpy references ----------------------------------------------------------------------------------------
@@ -67,7 +69,8 @@ def units(spec: ChipSpec, model: ModelConfig, embed_fmts=None) -> list[KernelUni
         params = dict(hidden=cfg.hidden_size, inter=cfg.intermediate_size, eps=hexf(cfg.rms_norm_eps),
                       lin=dict(hv=cfg.linear_num_value_heads, dv=cfg.linear_value_head_dim, value_dim=cfg.value_dim,
                                conv_dim=cfg.conv_dim, in_rows=lin_in_rows(cfg)),
-                      embed_fmt=fmt.name, embed_cls=fmt.cls, row_threads=rt, norm_threads=32 * NORM_WARPS)
+                      embed_fmt=fmt.name, embed_cls=fmt.cls, row_threads=rt, norm_threads=32 * NORM_WARPS,
+                      silu_chunk=SILU_CHUNK * rt, norm_chunk=NORM_CHUNK * rt)
         out.append(KernelUnit(unit_name(fmt.name), "layered.cu.j2", params, (
             KernelSig("layered_embed", rt), KernelSig("layered_add_rmsnorm", rt), KernelSig("layered_silu_mul", rt),
             KernelSig("layered_place", rt), KernelSig("layered_deltanet_norm", 32 * NORM_WARPS),
@@ -86,6 +89,9 @@ class LayerKernels:
 
     def __init__(self, module, spec: ChipSpec, cfg: ModelConfig):
         self.cfg, self.row_threads = cfg, spec.tuning.norm.threads
+        self.silu_blocks = -(-cfg.intermediate_size // (SILU_CHUNK * self.row_threads))
+        self.add_norm_blocks = -(-cfg.hidden_size // (NORM_CHUNK * self.row_threads))
+        self.norm_blocks = -(-cfg.linear_num_value_heads // NORM_WARPS)
         k = lambda name: module.kernel(f"layered_{name}")
         self._embed, self._add_norm, self._silu_mul, self._place = k("embed"), k("add_rmsnorm"), k("silu_mul"), k("place")
         self._dn_norm, self._advance = k("deltanet_norm"), k("advance")
@@ -93,19 +99,22 @@ class LayerKernels:
     def embed(self, table, io, x, m: int, stream=None) -> None:
         self._embed(m, self.row_threads, table, io, x, stream=stream)
 
-    def add_rmsnorm(self, x, y, w, h, m: int, stream=None, xq=None) -> None:
-        """x += y (None: no add); h = RMSNorm (1 + w) of x; and h's XBlocks into xq when given (every row kernel:
-        the quantized GEMVs' activations, qgemv.xblocks)."""
-        self._add_norm(m, self.row_threads, x, _null(y), w, h, _null(xq), stream=stream)
+    def add_rmsnorm(self, x, y, w, x_out, h, m: int, stream=None, xq=None) -> None:
+        """x_out = x + y (None: x); h = RMSNorm (1 + w) of it; and h's XBlocks into xq when given (every row kernel:
+        the quantized GEMVs' activations, qgemv.xblocks). x_out must be another buffer than x."""
+        if x_out.ptr == x.ptr:
+            raise ValueError("add_rmsnorm writes the sum to another buffer than x (its blocks read x whole)")
+        self._add_norm((m, self.add_norm_blocks), self.row_threads, x, _null(y), w, x_out, h, _null(xq),
+                       stream=stream)
 
     def silu_mul(self, gate_up, act, m: int, stream=None, xq=None) -> None:
-        self._silu_mul(m, self.row_threads, gate_up, act, _null(xq), stream=stream)
+        self._silu_mul((m, self.silu_blocks), self.row_threads, gate_up, act, _null(xq), stream=stream)
 
     def place(self, src, dst, n: int, ld: int, off: int, m: int, stream=None) -> None:
         self._place(m, self.row_threads, src, dst, n, ld, off, stream=stream)
 
     def deltanet_norm(self, out, mixed, w, y, m: int, stream=None, xq=None) -> None:
-        self._dn_norm(m, 32 * NORM_WARPS, out, mixed, w, y, _null(xq), stream=stream)
+        self._dn_norm((m, self.norm_blocks), 32 * NORM_WARPS, out, mixed, w, y, _null(xq), stream=stream)
 
     def advance(self, io, tokens, m: int, stream=None) -> None:
         """io = [position + m, tokens[m - 1]]: the next one-token step continues greedily."""

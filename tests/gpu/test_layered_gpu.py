@@ -30,6 +30,7 @@ import pytest
 from lucegen.engine.layered import LayeredEngine
 from lucegen.kernels import layered, qgemv
 from lucegen.model.checkpoint import make_checkpoint
+from lucegen.model.config import tiny_config
 from lucegen.model.gguf_file import load_gguf
 from lucegen.reference import State, decode_step, generate, relative_error
 from lucegen.spec_decode.tree import ancestry
@@ -132,8 +133,13 @@ def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
 
 # ---- row kernels ------------------------------------------------------------------------------------------------
 def poisoned_bytes(n: int):
+    return poisoned(n, np.uint8)
+
+
+def poisoned(shape, dtype=np.float32):
+    """A device array with every bit set (fp32: NaN)."""
     from lucegen.runtime import DeviceArray
-    a = DeviceArray.empty(n, np.uint8)
+    a = DeviceArray.empty(shape, dtype)
     a.fill_bytes(0xFF)
     return a
 
@@ -146,6 +152,54 @@ def assert_xblocks_of(xq, rows: np.ndarray) -> None:
     assert (got[want.size:] == 0xFF).all(), "a row kernel wrote past its rows' XBlocks"
 
 
+# rows wider than one block's part, none a whole number of parts (add + RMSNorm: 512 values a block at 256 threads;
+# SiLU x up: 1024; the DeltaNet norm: 8 heads), every width whole XBlocks
+WIDE_ROWS = tiny_config(name="wide-rows", hidden_size=2592, intermediate_size=4128, linear_num_key_heads=4,
+                        linear_num_value_heads=20, linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def test_row_kernels_split_over_blocks_match_their_references(tmp_path):
+    from lucegen.codegen.build import build
+    from lucegen.kernels.gdn import gated_norm_reference
+    from lucegen.kernels.megakernel import lin_in_rows
+    from lucegen.runtime import DeviceArray
+    from lucegen.spec import spec_for_current_device
+    cfg, m, spec = WIDE_ROWS, 3, spec_for_current_device()
+    module = build(spec, cfg, layered.units(spec, cfg, ["bf16"]), root=tmp_path).module(layered.unit_name("bf16"))
+    k = layered.LayerKernels(module, spec, cfg)
+    assert k.add_norm_blocks > 1 and k.silu_blocks > 1 and k.norm_blocks > 1
+    rng = np.random.default_rng(7)
+    H, I, VD = cfg.hidden_size, cfg.intermediate_size, cfg.value_dim
+    xq = poisoned_bytes(m * I // 32 * qgemv.XBLOCK_BYTES + 64)
+    x, y = rng.standard_normal((m, H), np.float32), rng.standard_normal((m, H), np.float32)
+    w = rng.standard_normal(H, np.float32) * np.float32(0.1)
+    dx, dy, dw = DeviceArray.from_numpy(x), DeviceArray.from_numpy(y), DeviceArray.from_numpy(w)
+    dsum, dh = poisoned((m, H)), poisoned((m, H))
+    k.add_rmsnorm(dx, dy, dw, dsum, dh, m, xq=xq)
+    x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
+    assert relative_error(dsum.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
+    assert_xblocks_of(xq, dh.numpy())
+    with pytest.raises(ValueError, match="another buffer"):
+        k.add_rmsnorm(dx, dy, dw, dx, dh, m)
+    gu = rng.standard_normal((m, 2 * I), np.float32)
+    dact = poisoned((m, I))
+    xq.fill_bytes(0xFF)
+    k.silu_mul(DeviceArray.from_numpy(gu), dact, m, xq=xq)
+    assert relative_error(dact.numpy(), layered.silu_mul_reference(gu)) < ROW_RTOL
+    assert_xblocks_of(xq, dact.numpy())
+    hv, dv, C = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+    out, mixed = rng.standard_normal((m, VD), np.float32), rng.standard_normal((m, lin_in_rows(cfg)), np.float32)
+    wn = rng.standard_normal(dv, np.float32) * np.float32(0.1) + np.float32(1)
+    dy_norm = poisoned((m, VD))
+    xq.fill_bytes(0xFF)
+    k.deltanet_norm(DeviceArray.from_numpy(out), DeviceArray.from_numpy(mixed), DeviceArray.from_numpy(wn), dy_norm,
+                    m, xq=xq)
+    want = gated_norm_reference(out.reshape(m, hv, dv), mixed[:, C:C + VD].reshape(m, hv, dv), wn,
+                                cfg.rms_norm_eps).reshape(m, VD)
+    assert relative_error(dy_norm.numpy(), want) < ROW_RTOL
+    assert_xblocks_of(xq, dy_norm.numpy())
+
+
 def test_row_kernels_match_their_references(gguf):
     from lucegen.runtime import DeviceArray
     weights, _ = gguf
@@ -156,13 +210,20 @@ def test_row_kernels_match_their_references(gguf):
     x, y = rng.standard_normal((m, H), np.float32), rng.standard_normal((m, H), np.float32)
     w = rng.standard_normal(H, np.float32) * np.float32(0.1)
     dx, dy, dw = DeviceArray.from_numpy(x), DeviceArray.from_numpy(y), DeviceArray.from_numpy(w)
-    dh = DeviceArray.empty((m, H), np.float32)
+    dh, dsum = DeviceArray.empty((m, H), np.float32), DeviceArray.empty((m, H), np.float32)
     dh.fill_bytes(0xFF)
+    dsum.fill_bytes(0xFF)
     xq = poisoned_bytes(m * I // 32 * qgemv.XBLOCK_BYTES + 64)
-    k.add_rmsnorm(dx, dy, dw, dh, m, xq=xq)
+    k.add_rmsnorm(dx, dy, dw, dsum, dh, m, xq=xq)
     x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
-    assert relative_error(dx.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
+    assert relative_error(dsum.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
+    np.testing.assert_array_equal(dx.numpy(), x)  # read only: the sum went to x_out
     assert_xblocks_of(xq, dh.numpy())  # the fused activation quantization: qquant_x's bytes, no more
+    dh.fill_bytes(0xFF)
+    dsum.fill_bytes(0xFF)
+    k.add_rmsnorm(dx, None, dw, dsum, dh, m)  # no add (the first layer)
+    x0, h0 = layered.add_rmsnorm_reference(x, None, w, cfg.rms_norm_eps)
+    assert relative_error(dsum.numpy(), x0) < ROW_RTOL and relative_error(dh.numpy(), h0) < ROW_RTOL
     gu = rng.standard_normal((m, 2 * I), np.float32)
     dgu, dact = DeviceArray.from_numpy(gu), DeviceArray.empty((m, I), np.float32)
     dact.fill_bytes(0xFF)
