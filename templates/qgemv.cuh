@@ -75,6 +75,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     // the last activation row, block 0 of the slice) and their products are dropped.
     const auto live = [&](int s) { return s < SLICES && lane * PV < min(SV, K - s * SV); };
     const auto block = [&](int s) { return live(s) ? b : 0; };
+    const auto whole = [&](int s) { return K % SV == 0 || live(s); };  // block(s) == b, for s < SLICES
     const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
     const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
     const auto slice_bytes = [](int s) { return min(SV, K - s * SV) / F::BLOCK_VALUES * F::BLOCK_BYTES; };
@@ -100,6 +101,29 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         return W + row_start(j) + (long long)s * Q::SLICE_BYTES;
     };
 
+    // What this lane's loads have in common, made once before the loop (HOIST: where an item is small enough that the
+    // registers this keeps cost no spills; else F::load(block, p) makes it again for each piece): per row j, F::lane
+    // at its block in slice 0 (ln; in the ring: in stage 0) or at block 0 (ln0: the lanes past the end of a partial
+    // last slice), slice s's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the ring keeps
+    // addresses mod 16); its piece's activations (M = 1), at xl (block 0: xl0) + s X_SLICE_BYTES, in 16-byte words:
+    // so typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
+    static_assert(Q::SLICE_BYTES % 4 == 0, "a lane's blocks keep their address mod 4 from slice to slice");
+    constexpr bool HOIST = MT <= 4 && ROWS * SPAN <= 2;
+    typename F::Lane ln[ROWS], ln0[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        ln[j] = F::lane(bytes(0, j, 0, 0) + b * F::BLOCK_BYTES, p);
+        ln0[j] = F::lane(bytes(0, j, 0, 0), p);
+    }
+    const auto delta = [&](int t, int j, int u, int s) -> long long {
+        if constexpr (STAGES > 1) return bytes(t, j, u, s) - bytes(0, j, 0, 0);
+        return (long long)s * Q::SLICE_BYTES;
+    };
+    constexpr int PIECE_XB = F::XB / F::PIECES;  // a piece's activations (F::dot)
+    static_assert(Q::X_ROW_BYTES % 16 == 0 && F::XB % 16 == 0 && PIECE_XB % 16 == 0, "whole 16-byte words");
+    const uint4* xl = reinterpret_cast<const uint4*>(x) + (m0 * Q::X_ROW_BYTES + b * F::XB + p * PIECE_XB) / 16;
+    const uint4* xl0 = xl - b * F::XB / 16;
+
     if constexpr (STAGES > 1) {
 #pragma unroll 1
         for (int t = 0; t < STAGES - 1; ++t) issue(t);
@@ -122,15 +146,19 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         for (int u = 0; u < SPAN; ++u) {
             const int s = min(s0 + u, SLICES - 1);
 #pragma unroll
-            for (int j = 0; j < ROWS; ++j) pc[u][j] = F::load(bytes(t, j, u, s) + block(s) * F::BLOCK_BYTES, p);
+            for (int j = 0; j < ROWS; ++j)
+                pc[u][j] = HOIST ? F::load(whole(s) ? ln[j] : ln0[j], delta(t, j, u, s))
+                                 : F::load(bytes(t, j, u, s) + block(s) * F::BLOCK_BYTES, p);
         }
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
             const int s = min(s0 + u, SLICES - 1);
             const bool use = live(s0 + u);
+            const long long xs = (long long)s * Q::X_SLICE_BYTES;
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                const unsigned char* xm = xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB;
+                const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
+                                                  : xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB + p * PIECE_XB;
 #pragma unroll
                 for (int j = 0; j < ROWS; ++j) {
                     const float d = F::dot(pc[u][j], xm);

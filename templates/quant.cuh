@@ -7,9 +7,13 @@
 //   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
 //   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
 //   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
+//   F::Lane, F::lane(block, p), F::load(lane, delta)
+//                       the same in two steps, for a lane that reads piece p of many blocks: what its loads have
+//                       in common, made once at one of them, then each block delta bytes further (a multiple of 4),
 //   F::run(piece, r, w) the run's 8 values,
 //   F::XB               bytes of activations per block, as the products read them (below),
-//   F::dot(piece, x)    the piece's contribution to a dot product with activations x (the block's XB bytes).
+//   F::dot(piece, x)    the piece's contribution to a dot product with activations x (the piece's XB / PIECES
+//                       bytes, at p XB / PIECES in the block's XB).
 // Per value the decode gives the bits numpy gives in quants.py, signed zeros included: fl(d * q) (Q8_0, Q4_0),
 // fl(fl(d * sc) * q) (Q6_K), fl(fl(fl(d * sc) * q) - fl(dmin * m)) (Q4_K, Q5_K; one FFMA, see FmtK4::run). The
 // _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
@@ -18,7 +22,8 @@
 // The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1),
 // a piece (32 values: one activation block) at a time: an integer dot product u (dp4a), then in fp32
 //   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0: u = sum of (q - offset) qx, a = d;
-//                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d)
+//                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d:
+//                                               the bytes hold q, the XBlock's half sums take 32 qx back off)
 //   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K: u = sum of q qx, a = fl(d sc), b = fl(dmin m), v = sum of qx)
 // Every integer is exact and below 2^24, so its conversion to float is too. lucegen/kernels/qgemv.py emulates
 // this in numpy bit for bit (piece_terms).
@@ -66,6 +71,19 @@ __device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (
     }
 }
 
+// N little-endian 32-bit words of bits from 4-byte aligned words a[0 .. N]: word i = bits `shift` .. shift + 31 of
+// a[i + 1] : a[i] (shift <= 31).
+template <int N>
+__device__ __forceinline__ void funnel_words(const unsigned* a, unsigned shift, unsigned (&w)[N]) {
+    unsigned lo = a[0];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const unsigned hi = a[i + 1];
+        w[i] = __funnelshift_r(lo, hi, shift);
+        lo = hi;
+    }
+}
+
 // 8 decoded weights dot 8 activations in fp32, in dot8_bf16's order.
 __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
     float acc = w[0] * x.lo.x;
@@ -79,15 +97,16 @@ __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
 }
 
 // ---- activations quantized per 32 values ----------------------------------------------------------------------
-// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), and the sum of the 32 qx (Q4_0's
-// offset and the K-quants' mins multiply it). 48 bytes, so that a row of them is whole 16-byte words. (A block
-// whose max|x| is below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
+// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), the sum of the 32 qx (Q4_0's offset
+// and the K-quants' mins multiply it) and the sums of each half of 16 (Q6_K's offset of 32 multiplies them: its two
+// scales split a piece in halves). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
+// below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
 struct alignas(16) XBlock {
     int q[8];  // 32 int8, little-endian in 8 words
     float d;
-    int s;  // qx[0] + ... + qx[31]
-    int pad[2];
-    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s, pad}.
+    int s;     // qx[0] + ... + qx[31]
+    int h[2];  // qx[0] + ... + qx[15], qx[16] + ... + qx[31]
+    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s, h[0], h[1]}.
     __device__ int4 quad(int i) const { return reinterpret_cast<const int4*>(q)[i]; }
     __device__ int2 pair(int i) const { return reinterpret_cast<const int2*>(q)[i]; }
     __device__ int4 meta() const { return *reinterpret_cast<const int4*>(&d); }
@@ -108,18 +127,19 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
     XBlock b;
     b.d = __fdiv_rn(amax, 127.f);
     const float inv = b.d == 0.f ? 0.f : __fdiv_rn(1.f, b.d);
-    b.s = b.pad[0] = b.pad[1] = 0;
+    b.h[0] = b.h[1] = 0;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
         unsigned word = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int q = __float2int_rn(__fmul_rn(v[4 * w + i], inv));
-            b.s += q;
+            b.h[w / 4] += q;
             word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
         }
         b.q[w] = static_cast<int>(word);
     }
+    b.s = b.h[0] + b.h[1];
     return b;
 }
 
@@ -141,15 +161,24 @@ __device__ __forceinline__ float group_term(float dx, float a, int u, float b, i
     return __fmul_rn(dx, __fsub_rn(__fmul_rn(a, static_cast<float>(u)), __fmul_rn(b, static_cast<float>(v))));
 }
 
+// F::Lane of the formats that need nothing more than the block and the piece.
+struct BlockLane {
+    const unsigned char* block;
+    int p;
+};
+
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1;
     static constexpr bool ALIGNED16 = true;
     __host__ __device__ static constexpr int voff(int, int) { return 0; }
+    using Lane = BlockLane;
+    __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
     struct Piece {
         uint4 v;
     };
     __device__ static Piece load(const unsigned char* block, int) { return {*reinterpret_cast<const uint4*>(block)}; }
+    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
     __device__ static void run(const Piece& pc, int, float (&w)[8]) {
         const unsigned u[4] = {pc.v.x, pc.v.y, pc.v.z, pc.v.w};
 #pragma unroll
@@ -172,6 +201,8 @@ struct FmtQ8_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4;
     static constexpr bool ALIGNED16 = false;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
+    using Lane = BlockLane;
+    __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
     struct Piece {
         unsigned q[8];
         float d;
@@ -182,6 +213,7 @@ struct FmtQ8_0 {
         load_words_a2<8>(block + 2, pc.q);
         return pc;
     }
+    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const unsigned w0 = pc.q[2 * r] ^ 0x80808080u, w1 = pc.q[2 * r + 1] ^ 0x80808080u;  // bytes q + 128
 #pragma unroll
@@ -201,6 +233,8 @@ struct FmtQ4_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4;
     static constexpr bool ALIGNED16 = false;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
+    using Lane = BlockLane;
+    __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
     struct Piece {
         unsigned q[4];
         float d;
@@ -211,6 +245,7 @@ struct FmtQ4_0 {
         load_words_a2<4>(block + 2, pc.q);
         return pc;
     }
+    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const unsigned w0 = (pc.q[2 * (r % 2)] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
         const unsigned w1 = (pc.q[2 * (r % 2) + 1] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
@@ -250,6 +285,8 @@ struct FmtK4 {
     static constexpr bool ALIGNED16 = true;
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
+    using Lane = BlockLane;
+    __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
     struct Piece {
         // the 32 values q, one per byte, except Q4_K's odd pieces: there the bytes keep their high nibble in
         // place, xor 0x80, so that a byte is 16 q - 128 as a signed byte (see dot; value() undoes it)
@@ -288,6 +325,7 @@ struct FmtK4 {
     __device__ static unsigned values(const Piece& pc, int w) {
         return high(pc) ? (pc.q[w] ^ 0x80808080u) >> 4 : pc.q[w];
     }
+    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         // fl(fl(ds * q) - dm) in one FFMA: ds * q is exact (an fp16 times 6 bits, times 5 bits: <= 22 bits), and an
         // FMA rounds the exact ds * q - dm once, with the signed-zero rule of that sum.
@@ -296,10 +334,10 @@ struct FmtK4 {
             w[i] = __fmaf_rn(pc.ds, byte_minus(values(pc, 2 * r + i / 4), i % 4, MAGIC_U_VALUE), -pc.dm);
     }
     static constexpr int XB = 8 * sizeof(XBlock);
-    // One group: the sub-block, with activation block j. u = the sum of q qx; for Q4_K's odd pieces the bytes are
+    // One group: the sub-block, with its activation block. u = the sum of q qx; for Q4_K's odd pieces the bytes are
     // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
-        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
         const int4 meta = x.meta();
         int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
@@ -319,42 +357,64 @@ struct FmtQ6_K {
     static constexpr bool ALIGNED16 = false;
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
-        unsigned q[8];  // q - 32, signed bytes
+        unsigned q[8];  // q in 0 .. 63, one per byte (the offset of 32 is subtracted in the products and the decode)
         int sc[2];      // the two scales
         float d;
-        int j;          // p: the piece's activation block
     };
-    __device__ static Piece load(const unsigned char* block, int p) {
+    // Where a lane finds piece p in its blocks (they all lie at the same address mod 4; m = that & 2). Each byte of
+    // q is one LOP3 of two words loaded already shifted into place (funnel_words): ql's nibble to bits 0-3, qh's two
+    // bits to bits 4-5. So the words start from the 4-byte aligned ones around bit 4 (k / 2) of ql[64h + 32 (k % 2)]
+    // and bit 2k - 4 of qh[32h] (for k < 2: bit 4 + 2k of the byte before), all inside the block.
+    struct Lane {
+        const unsigned *ql, *qh;  // the first aligned words
+        unsigned sql, sqh;        // the shifts (<= 31)
+        const unsigned short *sc, *d;
+    };
+    __device__ static Lane lane(const unsigned char* block, int p) {
+        const int h = p / 4, k = p % 4, m = static_cast<int>(reinterpret_cast<size_t>(block) & 2u);
+        const int lbit = 8 * (64 * h + 32 * (k % 2) + m) + 4 * (k / 2), hbit = 8 * (128 + 32 * h + m) + 2 * k - 4;
+        // (d = block + 208 made from a as well: so typed, the compiler keeps every pointer whole in registers across
+        // qgemv's loop, instead of adding the kernel's W to it again for each load)
+        const unsigned* a = reinterpret_cast<const unsigned*>(block - m);
+        const unsigned short* hw = reinterpret_cast<const unsigned short*>(block);
+        return {a + lbit / 32, a + hbit / 32, static_cast<unsigned>(lbit % 32), static_cast<unsigned>(hbit % 32),
+                hw + 96 + 4 * h + k, reinterpret_cast<const unsigned short*>(a) + (208 + m) / 2};
+    }
+    // load: the piece of the block delta bytes past ln's (a multiple of 4: the same address mod 4).
+    template <class T>
+    __device__ static const T* past(const T* q, long long delta) {
+        return reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(q) + delta);
+    }
+    __device__ static Piece load(const Lane& ln, long long delta) {
         Piece pc;
-        const int h = p / 4, k = p % 4;
         unsigned ql[8], qh[8];
-        load_words_a2<8>(block + 64 * h + 32 * (k % 2), ql);
-        load_words_a2<8>(block + 128 + 32 * h, qh);
+        funnel_words<8>(past(ln.ql, delta), ln.sql, ql);
+        funnel_words<8>(past(ln.qh, delta), ln.sqh, qh);
 #pragma unroll
-        for (int i = 0; i < 8; ++i)  // each byte: the low nibble from ql, bits 4-5 from qh; q in 0 .. 63, minus 32
-            pc.q[i] = __vsub4(((ql[i] >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * k)) << 4) & 0x30303030u),
-                              0x20202020u);
-        const unsigned sc = *reinterpret_cast<const unsigned short*>(block + 192 + 8 * h + 2 * k);
-        pc.sc[0] = static_cast<signed char>(sc & 0xFFu);
-        pc.sc[1] = static_cast<signed char>(sc >> 8);
-        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block + 208));
-        pc.j = p;
+        for (int i = 0; i < 8; ++i) pc.q[i] = (ql[i] & 0x0F0F0F0Fu) | (qh[i] & 0x30303030u);
+        const signed char* sc = reinterpret_cast<const signed char*>(past(ln.sc, delta));  // two loads, no unpacking
+        pc.sc[0] = sc[0];
+        pc.sc[1] = sc[1];
+        pc.d = half_to_float(*past(ln.d, delta));
         return pc;
     }
+    __device__ static Piece load(const unsigned char* block, int p) { return load(lane(block, p), 0); }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const float ds = __fmul_rn(pc.d, static_cast<float>(pc.sc[r / 2]));  // exact conversion: |sc| <= 128
 #pragma unroll
-        for (int i = 0; i < 8; ++i)  // bytes (q - 32) + 128
-            w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4] ^ 0x80808080u, i % 4, MAGIC_U_VALUE + 128.f));
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE + 32.f));
     }
     static constexpr int XB = 8 * sizeof(XBlock);
-    // One group: the piece's 32 values, activation block p; the two scales multiply their halves' integer dots
-    // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d.
+    // One group: the piece's 32 values, with its activation block; the two scales multiply their halves' integer dots
+    // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d. The bytes
+    // are q, not q - 32 (0 .. 63: the same as signed bytes), so a half's dot is u0 + 32 (qx[0] + ... + qx[15]): the
+    // XBlock's half sums take the 32 back off, and u0, u1, u are the same integers.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
-        const XBlock& x = reinterpret_cast<const XBlock*>(xb)[pc.j];
+        const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
-        const int u = pc.sc[0] * dot_words(lo, x.quad(0)) + pc.sc[1] * dot_words(hi, x.quad(1));
-        return group_term(x.d, pc.d, u);
+        const int4 meta = x.meta();
+        const int u0 = dot_words(lo, x.quad(0)) - 32 * meta.z, u1 = dot_words(hi, x.quad(1)) - 32 * meta.w;
+        return group_term(__int_as_float(meta.x), pc.d, pc.sc[0] * u0 + pc.sc[1] * u1);
     }
 };
 

@@ -193,8 +193,9 @@ HOST_MAIN = r"""
 #include <vector>
 using namespace lucegen;
 // argv: rows k offset in out [xin]. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
-// boundary, exactly as qdequant does on the device. With xin (XBlocks of one activation row; DOT defined): each
-// piece's F::dot with them instead, [rows, pieces]. With rows = 0: quantize_xblock on the floats of `in`.
+// boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
+// defined): each piece's F::dot with them instead, [rows, pieces], its bytes loaded as qgemv's loop does
+// (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on the floats of `in`.
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / F::BLOCK_VALUES * F::PIECES;
     const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
@@ -216,7 +217,11 @@ template <class F> long dot(const unsigned char* w, const unsigned char* xb, flo
     for (long r = 0; r < n; ++r)
         for (int t = 0; t < pieces; ++t) {
             const int b = t / F::PIECES, p = t % F::PIECES;
-            out[r * pieces + t] = F::dot(F::load(w + r * row + static_cast<long>(b) * F::BLOCK_BYTES, p), xb + b * F::XB);
+            // as qgemv.cuh's loop reads them: F::lane made once at the row's first block of b's parity (the same
+            // address mod 4), then a block a multiple of 4 bytes further; dot with the piece's activations
+            const auto lane = F::lane(w + r * row + static_cast<long>(b % 2) * F::BLOCK_BYTES, p);
+            const auto pc = F::load(lane, static_cast<long long>(b - b % 2) * F::BLOCK_BYTES);
+            out[r * pieces + t] = F::dot(pc, xb + b * F::XB + p * (F::XB / F::PIECES));
         }
     return n * pieces;
 }
@@ -346,6 +351,11 @@ def test_activation_quantization_worked_by_hand():
     assert dx.tolist() == [[2.0, 0.0]]
     assert q[0, :4].tolist() == [127, -64, 0, 1] and q[0, 16:18].tolist() == [2, 2] and not q[0, 32:].any()
     assert sums.tolist() == [[68, 0]]
+    # the XBlock bytes: 32 int8, dx, the sum, the sums of each 16 (Q6_K's halves): 64 + 4, and 0 + 0
+    b = qgemv.xblocks(x).reshape(2, qgemv.XBLOCK_BYTES)
+    assert b[:, :32].view(np.int8)[0, :4].tolist() == [127, -64, 0, 1]
+    assert b[:, 32:36].copy().view("<f4").ravel().tolist() == [2.0, 0.0]
+    assert b[:, 36:48].copy().view("<i4").tolist() == [[68, 64, 4], [0, 0, 0]]
 
 
 @settings(max_examples=60, deadline=None)

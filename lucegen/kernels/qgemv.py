@@ -30,7 +30,7 @@ from ..runtime.memory import DeviceArray
 from ..spec import WEIGHT_FORMATS, ChipSpec
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
-XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, padding
+XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 
 
@@ -133,13 +133,16 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def xblocks(x: np.ndarray) -> np.ndarray:
-    """The bytes [M, K/32 * 48] the qquant_x kernel writes for activations x (quant.cuh's XBlock)."""
+    """The bytes [M, K/32 * 48] the qquant_x kernel writes for activations x (quant.cuh's XBlock: the 32 qx as
+    int8, dx, the sum of the 32 qx and the sums of qx[0:16] and qx[16:32], all little-endian)."""
     q, dx, sums = quantize_x(x)
     m, k = q.shape
     out = np.zeros((m, k // 32, XBLOCK_BYTES), np.uint8)
     out[..., :32] = q.astype(np.int8).view(np.uint8).reshape(m, k // 32, 32)
     out[..., 32:36] = dx.astype("<f4")[..., None].view(np.uint8)
     out[..., 36:40] = sums.astype("<i4")[..., None].view(np.uint8)
+    halves = q.reshape(m, k // 32, 2, 16).sum(axis=-1, dtype=np.int32)  # Q6_K's two scales split a block in halves
+    out[..., 40:48] = halves.astype("<i4").view(np.uint8).reshape(m, k // 32, 8)
     return out.reshape(m, -1)
 
 
