@@ -155,12 +155,23 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
             const int j = warp + w * P::WARPS, i = lane + 32 * r;
             if (j < P::SLICE && i < DK) state[(size_t)j * DK + i] = S[w][r];
         }
-    // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps).
+    // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps), RING_BATCH
+    // loads in flight per thread (the ring and the rows may alias for the compiler, which would otherwise wait for
+    // each load before the next store: ~80 round trips a row on the 27B).
     if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
         for (int s = max(0, steps - K); s < steps; ++s) {
-            const int node = step_node(schedule[s]), slot = slots[s];
-            for (int c = threadIdx.x; c < C; c += THREADS)
-                T.conv_ring[(size_t)slot * C + c] = load_coherent(T.mixed + (size_t)node * T.stride + c);
+            const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
+            float* ring = T.conv_ring + (size_t)slots[s] * C;
+            constexpr int RING_BATCH = 16;
+            for (int c0 = threadIdx.x; c0 < C; c0 += RING_BATCH * THREADS) {
+                float v[RING_BATCH];
+#pragma unroll
+                for (int b = 0; b < RING_BATCH; ++b)
+                    v[b] = c0 + b * THREADS < C ? load_coherent(row + c0 + b * THREADS) : 0.f;
+#pragma unroll
+                for (int b = 0; b < RING_BATCH; ++b)
+                    if (c0 + b * THREADS < C) ring[c0 + b * THREADS] = v[b];
+            }
         }
 }
 
