@@ -89,8 +89,8 @@ class QGemvTuning:
 @dataclass(frozen=True)
 class LayeredTuning:
     """The layer-by-layer step (lucegen/engine/layered.py)."""
-    pdl: bool = False  # programmatic dependent launch (sm_90+): a kernel's blocks start, and the GEMVs fetch their
-                       # weights into L2, while the kernel before it finishes
+    pdl: bool = False  # programmatic dependent launch (sm_90+): a kernel's blocks are launched while the kernel
+                       # before it finishes, and wait for it where they read what it wrote (templates/common.cuh)
 
 
 @dataclass(frozen=True)
