@@ -246,8 +246,8 @@ class LayeredStep:
     def free(self) -> None:
         for g in self.graphs.values():
             g.destroy()
-        for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed, self.act,
-                  self.logits, self.tokens, self.hq, self.normedq, self.actq):
+        for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed,
+                  self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq):
             if a is not None:
                 a.free()
         self.tree.free()
