@@ -6,9 +6,10 @@ read ceiling, measured in the same run (bench.gemv.measure_read_gbs); larger M s
 activation row takes over. Each timed batch rotates distinct copies of the matrix, at least 4x L2 in all, so that
 L2 does not serve them. The peer, where torch is installed, is cuBLAS in bf16 (torch.mm) on the same shape and M.
 
-The time per call includes, for the quantized formats, the quantization of X to 8 bits per 32 values (a second
-kernel). What that quantization costs in accuracy is recorded beside the speed: the relative error (Frobenius) of
-the M = 1 output against the exact product in float64 on normal activations.
+The calls are replayed from a CUDA graph, and for the quantized formats X is quantized to 8 bits per 32 values
+once beforehand (in the decode step the kernel that writes X does it): the time is the product's alone. What that
+quantization costs in accuracy is recorded beside the speed: the relative error (Frobenius) of the M = 1 output
+against the exact product in float64 on normal activations.
 
 Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
 "<format> <N>x<K> M=<M>"; qgemv_time_vs_m1 (time per call over the M = 1 call's, M > 1); qgemv_rel_err per format
@@ -21,7 +22,7 @@ import numpy as np
 from ..codegen.build import build
 from ..kernels import qgemv
 from ..model.config import tiny_config
-from ..runtime import DeviceArray, Stream, device_info
+from ..runtime import DeviceArray, Graph, Stream, device_info
 from ..spec import spec_for_current_device
 from .gemv import measure_read_gbs
 from .results import Recorder
@@ -61,11 +62,17 @@ def _torch_mm_us(n: int, k: int, m: int, distinct: int) -> float | None:
 
 def _us_per_call(op: qgemv.QMatmul, ws: list[DeviceArray], x: DeviceArray, y: DeviceArray, n: int, m: int,
                  stream: Stream) -> float:
-    """Median microseconds of one call, the distinct weight copies `ws` rotated (so that L2 does not serve them)."""
-    def calls(s):
+    """Median microseconds of one product, the distinct weight copies `ws` rotated (so that L2 does not serve
+    them), replayed from one CUDA graph: launched one by one from Python, a call of a few microseconds on the
+    device waits for its launch instead (every 10240 x 5120 Q4_K call took ~39 us whatever its tuning). For the
+    quantized formats X's XBlocks are made once beforehand, as the decode step's row kernels make them."""
+    op(ws[0], x, y, n, m, stream=stream)  # the quantized formats: X's XBlocks into op.xq
+    with Graph.capture(stream) as graph:
         for w in ws:
-            op(w, x, y, n, m, stream=s)
-    return median_ms(calls, stream) / len(ws) * 1e3
+            op(w, x, y, n, m, stream=stream, xq=op.xq)
+    us = median_ms(graph.launch, stream) / len(ws) * 1e3
+    graph.destroy()
+    return us
 
 
 def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
