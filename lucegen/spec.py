@@ -84,8 +84,6 @@ class QGemvTuning:
     gemm_rows_per_warp: int = 1  # the GEMM's: each activation row read from L1 serves this many weight rows
     stages: int = 0           # items (span slices of its rows) in each warp's cp.async ring in shared memory; 0: none,
                               # the loads go straight into registers
-    seq: int = 1              # the GEMV's: rows (groups of rows_per_warp) a warp takes one after another, its ring
-                              # running on across them (the pipeline starts once per warp, not once per row)
 
 
 @dataclass(frozen=True)
@@ -300,8 +298,6 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
-    if not 1 <= t.qgemv.seq <= 64:
-        _fail(source, "tuning.qgemv.seq", f"{t.qgemv.seq} must be between 1 and 64")
     if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
         _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:

@@ -4,23 +4,20 @@
 // a scale per 32): the products are then integer dot products (dp4a), as llama.cpp's MMVQ.
 //
 // Work split. K is cut into slices of 32 pieces (quant.cuh): lane l of a warp decodes piece l of every slice of
-// its rows, so each weight byte is decoded by one lane. A warp owns SEQ row groups of ROWS consecutive rows (SEQ x
-// ROWS consecutive rows) and a block WARPS x SEQ x ROWS of them, for an M-tile of MT activation rows; the blocks of
-// one row range have consecutive indices (one per M-tile) so that they run together and their re-reads of the
-// weights hit L2. The warp takes its groups one after another, a group's rows SPAN slices at a time (an item), and
-// multiplies each piece into the MT activation rows (F::dot; activations through L1: every warp of the grid reads
-// them). How an item's weights arrive, STAGES:
+// its rows, so each weight byte is decoded by one lane. A warp owns ROWS consecutive rows and a block WARPS x ROWS
+// of them, for an M-tile of MT activation rows; the blocks of one row group have consecutive indices (one per
+// M-tile) so that they run together and their re-reads of the weights hit L2. The warp takes its rows SPAN slices
+// at a time (an item) and multiplies each piece into the MT activation rows (F::dot; activations through L1: every
+// warp of the grid reads them). How an item's weights arrive, STAGES:
 //   0   straight from global memory into registers (read-only path): every load of an item is issued before its
 //       first product, then the warp waits for them; what is in flight is what the registers hold.
 //   >1  through a ring of STAGES items in shared memory that belongs to the warp: its lanes copy the rows' bytes
 //       with 16-byte cp.async, STAGES - 1 items ahead of the one being multiplied, and decode from there; no block
 //       barrier (a __syncwarp orders the ring). What is in flight no longer costs registers, and the loads keep
 //       running while the warp multiplies (the quantized formats spend far more instructions per byte than bf16).
-//       The ring runs on across the warp's row groups: with SEQ > 1 a warp starts its pipeline once for SEQ groups,
-//       not once per row (a 27B row of Q4_K is 5 to 17 items).
 //
 // Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of F::dot(piece, activations)):
-// it depends on the format and K only, not on MT, ROWS, SPAN, STAGES, SEQ or the grid, so the M = 1 GEMV and every M-tile
+// it depends on the format and K only, not on MT, ROWS, SPAN, STAGES or the grid, so the M = 1 GEMV and every M-tile
 // of the GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16
 // (8-value pieces, 256-value slices) the lanes sum in gemv_bf16's order.
 //
@@ -36,17 +33,17 @@ namespace lucegen {
 
 // The geometry of one kernel: format F, row length K, MT activation rows per block, ROWS rows per warp, SPAN
 // slices per item, STAGES items in a warp's shared-memory ring (0: no ring).
-template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS, int SEQ>
+template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 struct QGemm {
     static_assert(K % F::BLOCK_VALUES == 0, "rows must be whole blocks of the format");
-    static_assert(THREADS % 32 == 0 && SPAN >= 1 && ROWS >= 1 && SEQ >= 1, "whole warps");
+    static_assert(THREADS % 32 == 0 && SPAN >= 1 && ROWS >= 1, "whole warps");
     static_assert(STAGES == 0 || STAGES >= 2, "a ring holds the item being multiplied and at least one ahead");
-    static constexpr int WARPS = THREADS / 32, G = WARPS * ROWS * SEQ;  // rows per block
+    static constexpr int WARPS = THREADS / 32, G = WARPS * ROWS;  // rows per block
     static constexpr int PIECE_VALUES = F::BLOCK_VALUES / F::PIECES;
     static constexpr int SLICE_VALUES = 32 * PIECE_VALUES;  // one piece per lane
     static constexpr int SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::BLOCK_BYTES;
     static constexpr int SLICES = (K + SLICE_VALUES - 1) / SLICE_VALUES;
-    static constexpr int ITEMS = (SLICES + SPAN - 1) / SPAN;  // per row group
+    static constexpr int ITEMS = (SLICES + SPAN - 1) / SPAN;
     static constexpr long long ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::BLOCK_BYTES;
     static constexpr int X_SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::XB;  // activations of a slice
     static constexpr long long X_ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::XB;
@@ -57,17 +54,17 @@ struct QGemm {
     static constexpr int SMEM = WARPS * STAGES * ITEM_BYTES;  // the block's dynamic shared memory
 };
 
-template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS, int SEQ>
+template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x, float* __restrict__ y,
                       int N, int M, unsigned char* smem) {
-    using Q = QGemm<F, K, MT, ROWS, SPAN, STAGES, THREADS, SEQ>;
-    constexpr int SV = Q::SLICE_VALUES, SLICES = Q::SLICES, PV = Q::PIECE_VALUES, ITEMS = Q::ITEMS;
+    using Q = QGemm<F, K, MT, ROWS, SPAN, STAGES, THREADS>;
+    constexpr int SV = Q::SLICE_VALUES, SLICES = Q::SLICES, PV = Q::PIECE_VALUES;
     const int mtiles = (M + MT - 1) / MT;
     const int m0 = (blockIdx.x % mtiles) * MT, mv = min(MT, M - m0);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int w0 = (blockIdx.x / mtiles) * Q::G + warp * ROWS * SEQ;  // the warp's first row
-    if (w0 >= N) return;
-    const int groups = min(SEQ, (N - w0 + ROWS - 1) / ROWS);  // its row groups, taken one after another
+    const int r0 = (blockIdx.x / mtiles) * Q::G + warp * ROWS;  // the warp's first row
+    if (r0 >= N) return;
+    const int nrows = min(ROWS, N - r0);
     // The activations are read once the kernel before is done (programmatic launch: common.cuh). Asking L2 for the
     // warp's rows before this wait cost 5-15% of the GEMV's rate measured alone (bf16 75% -> 63% of the read
     // rate, Q4_K 49% -> 45-48%), so the weights wait too.
@@ -79,46 +76,49 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const auto live = [&](int s) { return s < SLICES && lane * PV < min(SV, K - s * SV); };
     const auto block = [&](int s) { return live(s) ? b : 0; };
     const auto whole = [&](int s) { return K % SV == 0 || live(s); };  // block(s) == b, for s < SLICES
-    const auto nrows = [&](int q) { return min(ROWS, N - (w0 + q * ROWS)); };  // rows of row group q
-    const auto row_start = [&](int q, int j) {  // bytes into W of row j of group q
-        return (long long)(w0 + q * ROWS + min(j, nrows(q) - 1)) * Q::ROW_BYTES;
-    };
+    const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
     const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
     const auto slice_bytes = [](int s) { return min(SV, K - s * SV) / F::BLOCK_VALUES * F::BLOCK_BYTES; };
 
-    // The items run on from one row group to the next: item i = item i % ITEMS of group i / ITEMS, so the ring
-    // (STAGES > 1) keeps the next group's loads in flight while a group ends. Item i's row j, slice
-    // (i % ITEMS) SPAN + u is at slot(i, j, u); copied widened to 16-byte words.
+    // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u); copied widened to 16-byte words.
     unsigned char* ring = smem + warp * (STAGES * Q::ITEM_BYTES);
-    const auto slot = [&](int i, int j, int u) { return ring + (i % max(STAGES, 1)) * Q::ITEM_BYTES + (j * SPAN + u) * Q::SLOT; };
-    const int items = groups * ITEMS;
-    const auto issue = [&](int i) {  // every lane: its share of item i's copies (if any); always one commit group
-        const int q = i / ITEMS, t = i % ITEMS;
-        for (int j = 0; j < ROWS && i < items; ++j)
+    const auto slot = [&](int t, int j, int u) { return ring + (t % max(STAGES, 1)) * Q::ITEM_BYTES + (j * SPAN + u) * Q::SLOT; };
+    const auto issue = [&](int t) {  // every lane: its share of item t's copies (if any); always one commit group
+        for (int j = 0; j < ROWS && t < Q::ITEMS; ++j)
             for (int u = 0; u < SPAN; ++u) {
                 const int s = t * SPAN + u;
-                if (j >= nrows(q) || s >= SLICES) continue;
-                const long long start = row_start(q, j) + (long long)s * Q::SLICE_BYTES, from = start & ~15ll;
+                if (j >= nrows || s >= SLICES) continue;
+                const long long start = row_start(j) + (long long)s * Q::SLICE_BYTES, from = start & ~15ll;
                 const int words = static_cast<int>((start + slice_bytes(s) + 15 - from) / 16);
-                for (int c = lane; c < words; c += 32) cp_async16(slot(i, j, u) + 16 * c, W + from + 16 * c, true);
+                for (int c = lane; c < words; c += 32) cp_async16(slot(t, j, u) + 16 * c, W + from + 16 * c, true);
             }
         cp_async_commit();
     };
-    // Row j's bytes of slice s (item i, position u) where the lanes decode them: the ring or global memory.
-    const auto bytes = [&](int i, int j, int u, int s) -> const unsigned char* {
-        const long long start = row_start(i / ITEMS, j) + (long long)s * Q::SLICE_BYTES;
-        if constexpr (STAGES > 1) return slot(i, j, u) + (F::ALIGNED16 ? 0 : static_cast<int>(start & 15));
-        return W + start;
+    // Row j's bytes of slice s (item t, position u) where the lanes decode them: the ring or global memory.
+    const auto bytes = [&](int t, int j, int u, int s) -> const unsigned char* {
+        if constexpr (STAGES > 1)
+            return slot(t, j, u) + (F::ALIGNED16 ? 0 : static_cast<int>((row_start(j) + (long long)s * Q::SLICE_BYTES) & 15));
+        return W + row_start(j) + (long long)s * Q::SLICE_BYTES;
     };
 
-    // What this lane's loads of a row group have in common, made once per group (HOIST: where an item is small
-    // enough that the registers this keeps cost no spills; else F::load(block, p) makes it again for each piece):
-    // per row j, F::lane at its block in the group's first item (ln) or at block 0 (ln0: the lanes past the end of
-    // a partial last slice), item i's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the
-    // ring keeps addresses mod 16); its piece's activations (M = 1), at xl (block 0: xl0) + s X_SLICE_BYTES, in
-    // 16-byte words: so typed, the compiler keeps xl whole in registers instead of x apart in a uniform one.
+    // What this lane's loads have in common, made once before the loop (HOIST: where an item is small enough that the
+    // registers this keeps cost no spills; else F::load(block, p) makes it again for each piece): per row j, F::lane
+    // at its block in slice 0 (ln; in the ring: in stage 0) or at block 0 (ln0: the lanes past the end of a partial
+    // last slice), slice s's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the ring keeps
+    // addresses mod 16); its piece's activations (M = 1), at xl (block 0: xl0) + s X_SLICE_BYTES, in 16-byte words:
+    // so typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
     static_assert(Q::SLICE_BYTES % 4 == 0, "a lane's blocks keep their address mod 4 from slice to slice");
     constexpr bool HOIST = MT <= 4 && ROWS * SPAN <= 2;
+    typename F::Lane ln[ROWS], ln0[ROWS];
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        ln[j] = F::lane(bytes(0, j, 0, 0) + b * F::BLOCK_BYTES, p);
+        ln0[j] = F::lane(bytes(0, j, 0, 0), p);
+    }
+    const auto delta = [&](int t, int j, int u, int s) -> long long {
+        if constexpr (STAGES > 1) return bytes(t, j, u, s) - bytes(0, j, 0, 0);
+        return (long long)s * Q::SLICE_BYTES;
+    };
     constexpr int PIECE_XB = F::XB / F::PIECES;  // a piece's activations (F::dot)
     static_assert(Q::X_ROW_BYTES % 16 == 0 && F::XB % 16 == 0 && PIECE_XB % 16 == 0, "whole 16-byte words");
     const uint4* xl = reinterpret_cast<const uint4*>(x) + (m0 * Q::X_ROW_BYTES + b * F::XB + p * PIECE_XB) / 16;
@@ -126,73 +126,56 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 
     if constexpr (STAGES > 1) {
 #pragma unroll 1
-        for (int i = 0; i < STAGES - 1; ++i) issue(i);
+        for (int t = 0; t < STAGES - 1; ++t) issue(t);
     }
-#pragma unroll 1
-    for (int q = 0; q < groups; ++q) {
-        const int i0 = q * ITEMS;
-        typename F::Lane ln[ROWS], ln0[ROWS];
+    float acc[ROWS][MT];
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            ln[j] = F::lane(bytes(i0, j, 0, 0) + b * F::BLOCK_BYTES, p);
-            ln0[j] = F::lane(bytes(i0, j, 0, 0), p);
+    for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[j][m] = 0.f;
+#pragma unroll 1
+    for (int t = 0; t < Q::ITEMS; ++t) {
+        if constexpr (STAGES > 1) {
+            cp_async_wait<STAGES - 2>();  // this lane's copies of item t have landed ...
+            __syncwarp();                 // ... and every lane's; every lane is done with item t - 1's stage
+            issue(t + STAGES - 1);        // into that stage
         }
-        const auto delta = [&](int i, int j, int u, int s) -> long long {
-            if constexpr (STAGES > 1) return bytes(i, j, u, s) - bytes(i0, j, 0, 0);
-            return (long long)s * Q::SLICE_BYTES;
-        };
-        float acc[ROWS][MT];
+        const int s0 = t * SPAN;
+        typename F::Piece pc[SPAN][ROWS];
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j)
+        for (int u = 0; u < SPAN; ++u) {
+            const int s = min(s0 + u, SLICES - 1);
 #pragma unroll
-            for (int m = 0; m < MT; ++m) acc[j][m] = 0.f;
-#pragma unroll 1
-        for (int t = 0; t < ITEMS; ++t) {
-            const int i = i0 + t;
-            if constexpr (STAGES > 1) {
-                cp_async_wait<STAGES - 2>();  // this lane's copies of item i have landed ...
-                __syncwarp();                 // ... and every lane's; every lane is done with item i - 1's stage
-                issue(i + STAGES - 1);        // into that stage
-            }
-            const int s0 = t * SPAN;
-            typename F::Piece pc[SPAN][ROWS];
+            for (int j = 0; j < ROWS; ++j)
+                pc[u][j] = HOIST ? F::load(whole(s) ? ln[j] : ln0[j], delta(t, j, u, s))
+                                 : F::load(bytes(t, j, u, s) + block(s) * F::BLOCK_BYTES, p);
+        }
 #pragma unroll
-            for (int u = 0; u < SPAN; ++u) {
-                const int s = min(s0 + u, SLICES - 1);
+        for (int u = 0; u < SPAN; ++u) {
+            const int s = min(s0 + u, SLICES - 1);
+            const bool use = live(s0 + u);
+            const long long xs = (long long)s * Q::X_SLICE_BYTES;
 #pragma unroll
-                for (int j = 0; j < ROWS; ++j)
-                    pc[u][j] = HOIST ? F::load(whole(s) ? ln[j] : ln0[j], delta(i, j, u, s))
-                                     : F::load(bytes(i, j, u, s) + block(s) * F::BLOCK_BYTES, p);
-            }
+            for (int m = 0; m < MT; ++m) {
+                const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
+                                                  : xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB + p * PIECE_XB;
 #pragma unroll
-            for (int u = 0; u < SPAN; ++u) {
-                const int s = min(s0 + u, SLICES - 1);
-                const bool use = live(s0 + u);
-                const long long xs = (long long)s * Q::X_SLICE_BYTES;
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
-                                                      : xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB + p * PIECE_XB;
-#pragma unroll
-                    for (int j = 0; j < ROWS; ++j) {
-                        const float d = F::dot(pc[u][j], xm);
-                        if (use) acc[j][m] = __fadd_rn(acc[j][m], d);
-                    }
+                for (int j = 0; j < ROWS; ++j) {
+                    const float d = F::dot(pc[u][j], xm);
+                    if (use) acc[j][m] = __fadd_rn(acc[j][m], d);
                 }
             }
         }
-        if (q == groups - 1) {
-            if constexpr (STAGES > 1) cp_async_wait<0>();
-            launch_next_grid();  // once the warp is past its loads: the next kernel's blocks take the freed slots
-        }
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float v = warp_sum(acc[j][m]);
-                if (lane == 0 && j < nrows(q) && m < mv) y[(long long)(m0 + m) * N + w0 + q * ROWS + j] = v;
-            }
     }
+    if constexpr (STAGES > 1) cp_async_wait<0>();
+    launch_next_grid();  // once every warp is past its loads: the next kernel's blocks take the freed slots
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const float v = warp_sum(acc[j][m]);
+            if (lane == 0 && j < nrows && m < mv) y[(long long)(m0 + m) * N + r0 + j] = v;
+        }
 }
 
 // X [M, K] fp32 (K a multiple of 32) -> its `blocks` = M * K / 32 XBlocks, in order: one per thread, grid-stride.

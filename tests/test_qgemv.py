@@ -124,9 +124,6 @@ def test_grid_gives_each_row_group_every_m_tile():
     assert gemv.grid(17409, 1) == 17408 // 16 + 1
     assert gemm.grid(5120, 64) == 5120 // 4 * 8        # 4 rows a block, 8 M-tiles of 8
     assert gemm.grid(5120, 9) == 5120 // 4 * 2
-    seq = qgemv.Tuning(256, 1, 1, 1, 4, 3)              # 8 warps x 3 rows one after another
-    assert seq.grid(17408, 1) == -(-17408 // 24)
-    assert seq.smem(qgemv.FORMATS["q4_k"]) == 8 * 4 * 576  # the ring does not grow with the rows a warp takes
 
 
 @settings(max_examples=30, deadline=None)

@@ -81,9 +81,8 @@ def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
 
 
 # bench qgemv --tune: the tunings swept, per M class (the spec's own are among them)
-TUNE_GEMV = [*(qgemv.Tuning(256, r, 1, s, 0, q) for r in (1, 2) for s in (1, 2, 4) for q in (1, 4)),
-             *(qgemv.Tuning(t, r, 1, s, st, q) for t in (128, 256) for r in (1, 2) for s in (1, 2) for st in (3, 4, 8)
-               for q in (1, 4, 16))]
+TUNE_GEMV = [*(qgemv.Tuning(256, r, 1, s) for r in (1, 2) for s in (1, 2, 4)),
+             *(qgemv.Tuning(t, r, 1, s, st) for t in (128, 256) for r in (1, 2) for s in (1, 2) for st in (3, 4, 8))]
 TUNE_GEMM = [qgemv.Tuning(t, r, mt, 1, st) for t, r in ((256, 1), (256, 2), (128, 4)) for mt in (4, 8, 16)
              for st in (0, 3)]  # rows per warp: each activation load serves that many rows
 TUNE_FORMATS = ("q4_k", "q6_k")  # Q4_K_M's two
@@ -91,8 +90,7 @@ TUNE_MS = (1, 16, 64)
 
 
 def _label(t: qgemv.Tuning) -> str:
-    return (f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}" + (f" st{t.stages}" if t.stages else "")
-            + (f" q{t.seq}" if t.seq > 1 else ""))
+    return f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}" + (f" st{t.stages}" if t.stages else "")
 
 
 def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:

@@ -226,16 +226,14 @@ class Tuning:
     mt: int          # activation rows per block (1: the GEMV)
     span: int        # K-slices per item (a warp's unit of loads)
     stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
-    seq: int = 1     # groups of `rows` rows a warp takes one after another (its ring runs on across them)
 
     def name(self, fmt: Format, k: int) -> str:
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
-        seq = f"_q{self.seq}" if self.seq > 1 else ""
-        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}{seq}"
+        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
 
     def rows_per_block(self) -> int:
-        return self.threads // 32 * self.rows * self.seq
+        return self.threads // 32 * self.rows
 
     def smem(self, fmt: Format) -> int:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots."""
@@ -255,7 +253,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     slices = -(-k // fmt.slice_values)
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
-    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, q.seq), *gemms]
+    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 
 
 def for_rows(kernels: Sequence[Tuning], m: int) -> Tuning:
@@ -314,7 +312,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
                     raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {t.smem(fmt)} bytes of shared memory; "
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
-                                           "span": t.span, "stages": t.stages, "seq": t.seq, "threads": t.threads,
+                                           "span": t.span, "stages": t.stages, "threads": t.threads,
                                            "smem": t.smem(fmt), "min_blocks": 2}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()

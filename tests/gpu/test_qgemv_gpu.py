@@ -34,12 +34,11 @@ TAIL = 64  # poisoned elements past the end of every output
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-# other tunings (threads, rows per warp, M-tile, span, the warps' shared-memory rings, row groups per warp): the
-# same arithmetic, so the same bits
+# other tunings (threads, rows per warp, M-tile, span, the warps' shared-memory rings): the same arithmetic, so the
+# same bits
 VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning(128, 1, 16, 1),
             qgemv.Tuning(256, 2, 4, 2), qgemv.Tuning(256, 1, 1, 2, 4), qgemv.Tuning(128, 2, 1, 1, 2),
-            qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 1, 1, 4, 5), qgemv.Tuning(128, 2, 1, 2, 3, 3),
-            qgemv.Tuning(256, 1, 1, 1, 0, 4), qgemv.Tuning(128, 2, 4, 1, 2, 2)]
+            qgemv.Tuning(256, 1, 8, 1, 3)]
 
 
 @pytest.fixture(scope="module", params=["device", "rtx3090"])
