@@ -68,7 +68,7 @@ class Prefill:
             self.conv = conv1d.Conv1dGates(modules["prefill_conv1d.cu.j2"], cfg)
             self.gdn = gdn.ChunkedDeltaRule(modules["prefill_gdn.cu.j2"], spec, cfg)
         if cfg.full_layers:
-            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg)
+            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg, spec)
         self._allocate(self.chunk)
 
     def _allocate(self, n: int) -> None:
@@ -148,3 +148,5 @@ class Prefill:
                 getattr(self, name).free()
         if hasattr(self, "scratch"):
             self.scratch.free()
+        if hasattr(self, "attn"):
+            self.attn.free()
