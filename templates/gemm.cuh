@@ -63,17 +63,40 @@ struct StoreF32 {  // Y [M, N] fp32
     }
 };
 
-struct AddF32 {  // Y [M, N] fp32 += X W^T: the residual stream after an output projection
+// Y [M, N] fp32 += X W^T: the residual stream after an output projection. Y is read CHUNK column tiles (8 columns
+// each) of a row group at a time, all of a chunk's loads before its stores: a store may alias a later load for all
+// the compiler knows (rows r and r + 8 are N apart), so pair by pair each read-modify-write waited a round trip.
+struct AddF32 {
     float* y;
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
-            if (r < M && c < N) {
-                float2* p = reinterpret_cast<float2*>(y + (size_t)r * N + c);
-                const float2 old = *p;
-                *p = make_float2(old.x + a, old.y + b);
+        constexpr int CHUNK = NI < 8 ? NI : 8;
+        static_assert(NI % CHUNK == 0, "AddF32 chunks");
+        const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int n0 = 0; n0 < NI; n0 += CHUNK) {
+                float2 old[CHUNK][2];
+#pragma unroll
+                for (int i = 0; i < CHUNK; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row0 + mi * 16 + g + 8 * h, c = col0 + (n0 + i) * 8 + 2 * t;
+                        old[i][h] = r < M && c < N ? *reinterpret_cast<const float2*>(y + (size_t)r * N + c)
+                                                   : make_float2(0.f, 0.f);
+                    }
+#pragma unroll
+                for (int i = 0; i < CHUNK; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row0 + mi * 16 + g + 8 * h, c = col0 + (n0 + i) * 8 + 2 * t;
+                        const float* a = acc[mi][n0 + i] + 2 * h;
+                        if (r < M && c < N)
+                            *reinterpret_cast<float2*>(y + (size_t)r * N + c) =
+                                make_float2(old[i][h].x + a[0], old[i][h].y + a[1]);
+                    }
             }
-        });
     }
 };
 
