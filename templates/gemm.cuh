@@ -5,8 +5,9 @@
 // the K loop streams BK = 64 columns of X and W per step through STAGES cp.async stages in swizzled shared memory.
 // Blocks are numbered in groups of GROUP_M row tiles that walk all column tiles together, so the blocks resident at
 // once read the same few W tiles from L2 instead of each streaming W from DRAM. Where too few tiles would leave SMs
-// idle (a narrow output at a short prompt), the launcher may split K into slices whose blocks add into Y atomically
-// (the `add` epilogue only: Y += X W^T is a sum whatever the order of its parts).
+// idle (a narrow output at a short prompt), the launcher may split K into slices (the `add` epilogue only: see
+// "deterministic split-K" below: the slices' partial tiles are summed in slice order, so the result does not depend
+// on timing).
 //
 // The epilogue is a functor called once per warp with its accumulators (see the Store / Add / SiluMul below), so a
 // residual add or the MLP's SiLU(gate) * up costs no extra pass over memory.
@@ -113,26 +114,29 @@ struct SiluMulBf16 {
     }
 };
 
-// Split-K slices of one tile add into Y [M, N] fp32 concurrently: the `add` epilogue with atomic adds (one per
-// element and slice, so with a single slice the sum is the same as AddF32's).
-struct AddF32Atomic {
+// The `add` of a split-K launch: the kernel stores the block's partial tile to its slot of `partials` and calls
+// split_k_add (below), not this functor.
+struct AddF32Split {
     float* y;
-    template <int MI, int NI>
-    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
-            if (r < M && c < N) {
-                atomicAdd(y + (size_t)r * N + c, a);
-                atomicAdd(y + (size_t)r * N + c + 1, b);
-            }
-        });
-    }
+    float* partials;     // one BM x BN fp32 slot per block of the launch (Gemm's workspace)
+    unsigned* counters;  // one per tile, zero before and after every launch
 };
 
-// ---- the block ------------------------------------------------------------------------------------------------
+template <class E>
+struct IsSplitK {
+    static constexpr bool value = false;
+};
+template <>
+struct IsSplitK<AddF32Split> {
+    static constexpr bool value = true;
+};
 
-// A block's work: its (row tile, column tile) and its slice of K, k tiles kt0 .. kt0 + k_tiles - 1.
+// ---- a block's work -------------------------------------------------------------------------------------------
+
+// A block's work: its (row tile, column tile) and its slice of K, k tiles kt0 .. kt0 + k_tiles - 1; the tile's
+// index in grouped order (of `tiles`) and the slice's index (of `splits`).
 struct GemmWork {
-    int tm, tn, kt0, k_tiles;
+    int tm, tn, kt0, k_tiles, tile, tiles, split, splits;
 };
 
 // The grid holds `splits` = gridDim.x / tiles copies of the tiles (1 but for split-K); in each, tiles are numbered
@@ -144,12 +148,108 @@ __device__ __forceinline__ GemmWork gemm_block_work(int M, int N, int K) {
     const int per_group = S::GROUP_M * tiles_n, id = block % per_group;
     const int first = block / per_group * S::GROUP_M, rows = min(tiles_m - first, S::GROUP_M);
     const int kt_all = K / S::BK, kt0 = split * kt_all / splits;
-    return {first + id % rows, id / rows, kt0, (split + 1) * kt_all / splits - kt0};
+    return {first + id % rows, id / rows, kt0, (split + 1) * kt_all / splits - kt0, block, tiles, split, splits};
 }
 
+// ---- deterministic split-K ----------------------------------------------------------------------------------
+//
+// Block b = split * tiles + tile of a split launch holds, in registers, the partial tile p_split (the sum over its
+// slice of K). Every block writes it to its slot b of `partials` (BM x BN fp32, row-major, rows and columns past M
+// and N included), then counts itself in on the tile's counter; the block that arrives last (it sees splits - 1
+// arrivals before its own) resets the counter to 0 for the next launch and adds the tile's slices into Y in slice
+// order, element by element:
+//     Y = Y0 + ((((p_0 + p_1) + p_2) + ... ) + p_{splits-1})
+// as a launch without split adds its whole-K sum once. So the bits of Y depend on the inputs and the count of
+// slices, never on which block finished first. No block waits for another (any block may arrive last), so the grid
+// needs no co-residency.
+
+// A barrier among `threads` threads (whole warps) on named barrier `id`, and one that also returns whether any of
+// them passed `p`.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool p) {
+    int any;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "bar.red.or.pred q, %2, %3, p;\n"
+        "selp.b32 %0, 1, 0, q;\n"
+        "}\n"
+        : "=r"(any)
+        : "r"(int(p)), "r"(id), "r"(threads)
+        : "memory");
+    return any != 0;
+}
+
+// *p read past L1 where `pred`, else `other`: a predicated load, so that a run of them issues back to back.
+__device__ __forceinline__ float2 load_cg_if(const float2* p, bool pred, float2 other) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %3, 0;\n"
+        "@p ld.global.cg.v2.f32 {%0, %1}, [%2];\n"
+        "}\n"
+        : "+f"(other.x), "+f"(other.y)
+        : "l"(p), "r"(int(pred))
+        : "memory");
+    return other;
+}
+
+// The split-K sum (above), after the block has stored its partial to its slot, for the THREADS threads
+// tid = 0 .. THREADS - 1 that stored it (all of them must call it; named barrier `bar` is theirs): the last block
+// of the tile adds the tile's slices into Y [M, N] (its tile at row m0, column n0). MAX_SPLITS: the most slices a
+// launch has (the spec's split_k). The last block reads a batch of UNROLL column pairs of every slice and of Y0 at
+// once (slices past `splits` predicated off to -0, which added leaves any sum as it is), then sums and stores them.
+template <int BM, int BN, int THREADS, int MAX_SPLITS>
+__device__ __forceinline__ void split_k_add(const GemmWork& work, int tid, int bar, float* partials,
+                                            unsigned* counters, float* Y, int m0, int n0, int M, int N) {
+    __threadfence();  // this thread's partial is visible to the whole GPU before the block counts itself in
+    named_barrier(bar, THREADS);
+    bool last = false;
+    if (tid == 0) {
+        last = atomicAdd(counters + work.tile, 1u) == unsigned(work.splits - 1);
+        if (last) counters[work.tile] = 0;  // every slice of the tile has arrived: zero for the next launch
+    }
+    if (!named_barrier_any(bar, THREADS, last)) return;
+    __threadfence();
+    constexpr int PAIRS = BM * BN / 2, PER = PAIRS / THREADS, UNROLL = PER < 8 ? PER : 8;
+    static_assert(PAIRS % THREADS == 0 && PER % UNROLL == 0, "split-K pairs");
+    const float2* tile = reinterpret_cast<const float2*>(partials) + (size_t)work.tile * PAIRS;
+    const size_t slice = (size_t)work.tiles * PAIRS;  // pairs from one slice's slot of the tile to the next one's
+    const int rows = min(BM, M - m0), cols = min(BN, N - n0);
+#pragma unroll 1
+    for (int e0 = 0; e0 < PER; e0 += UNROLL) {
+        float2 p[MAX_SPLITS][UNROLL], y0[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int e = (e0 + u) * THREADS + tid, r = e / (BN / 2), c = e % (BN / 2) * 2;
+            const bool in = r < rows && c < cols;
+            y0[u] = load_cg_if(reinterpret_cast<const float2*>(Y + (size_t)(m0 + r) * N + n0 + c), in,
+                               make_float2(0.f, 0.f));
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; ++s)
+                p[s][u] = load_cg_if(tile + s * slice + e, in && s < work.splits, make_float2(-0.f, -0.f));
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int e = (e0 + u) * THREADS + tid, r = e / (BN / 2), c = e % (BN / 2) * 2;
+            float2 t = p[0][u];
+#pragma unroll
+            for (int s = 1; s < MAX_SPLITS; ++s) t = make_float2(t.x + p[s][u].x, t.y + p[s][u].y);
+            if (r < rows && c < cols)
+                *reinterpret_cast<float2*>(Y + (size_t)(m0 + r) * N + n0 + c) =
+                    make_float2(y0[u].x + t.x, y0[u].y + t.y);
+        }
+    }
+}
+
+// ---- the mma.sync block -----------------------------------------------------------------------------------------
+
 // One block's BM x BN tile of Y = X W^T (or its share of K); launched with splits * ceil(M/BM) * ceil(N/BN) blocks
-// of S::THREADS threads and S::SMEM bytes of dynamic shared memory.
-template <class S, class Epilogue>
+// of S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
+template <class S, class Epilogue, int MAX_SPLITS = 1>
 __device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict__ W, int M, int N, int K,
                              const Epilogue& epilogue, unsigned char* smem) {
     using ATile = SwizzledTile<S::BM, S::BK>;
@@ -205,7 +305,13 @@ __device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict_
         }
     }
     cp_async_wait<0>();
-    epilogue(acc, m0 + wm, n0 + wn, M, N);
+    if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the block's slot, then the tile's last block adds
+        StoreF32{epilogue.partials + (size_t)blockIdx.x * S::BM * S::BN}(acc, wm, wn, S::BM, S::BN);
+        split_k_add<S::BM, S::BN, S::THREADS, MAX_SPLITS>(work, threadIdx.x, 1, epilogue.partials, epilogue.counters,
+                                                          epilogue.y, m0, n0, M, N);
+    } else {
+        epilogue(acc, m0 + wm, n0 + wn, M, N);
+    }
 }
 
 }  // namespace lucegen

@@ -5,7 +5,9 @@
 // through STAGES shared-memory stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each
 // stage completing on its `full` mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and
 // all BN columns, and hands the stage back on its `empty` mbarrier once the wgmma reading it has completed (one
-// k tile later: the wgmma of two k tiles overlap). Blocks take their tile and slice of K from gemm_block_work.
+// k tile later: the wgmma of two k tiles overlap). Blocks take their tile and slice of K from gemm_block_work; the
+// consumers of a split-K block store their partial tile and the tile's last block adds the slices with gemm.cuh's
+// split_k_add (named barrier 1: the producer warpgroup has left by then).
 #pragma once
 #include "gemm.cuh"
 #include "wgmma.cuh"
@@ -28,8 +30,8 @@ struct WgmmaShape {
 
 // One block's BM x BN tile of Y = X W^T; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with
 // boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with splits * ceil(M/BM) * ceil(N/BN) blocks of
-// S::THREADS threads and S::SMEM bytes of dynamic shared memory.
-template <class S, class Epilogue>
+// S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
+template <class S, class Epilogue, int MAX_SPLITS = 1>
 __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int M, int N, int K,
                               const Epilogue& epilogue, unsigned char* smem_raw) {
     unsigned char* smem = smem_raw + ((1024 - shared_addr(smem_raw) % 1024) % 1024);
@@ -89,9 +91,17 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
     wgmma_wait<0>();
 #pragma unroll
     for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
-    const int row0 = m0 + c * 64 + threadIdx.x % 128 / 32 * 16;  // this warp's 16 rows of the warpgroup's 64
+    const int row = c * 64 + threadIdx.x % 128 / 32 * 16;  // this warp's 16 rows of the warpgroup's 64
+    if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the block's slot, then the tile's last block adds
 #pragma unroll
-    for (int nt = 0; nt < S::NT; ++nt) epilogue(acc[nt], row0, n0 + nt * 128, M, N);
+        for (int nt = 0; nt < S::NT; ++nt)
+            StoreF32{epilogue.partials + (size_t)blockIdx.x * S::BM * S::BN}(acc[nt], row, nt * 128, S::BM, S::BN);
+        split_k_add<S::BM, S::BN, 128 * S::CONSUMERS, MAX_SPLITS>(work, threadIdx.x - 128, 1, epilogue.partials,
+                                                                  epilogue.counters, epilogue.y, m0, n0, M, N);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < S::NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
+    }
 }
 
 }  // namespace lucegen

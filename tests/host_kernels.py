@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 
 import lucegen.engine.prefill as prefill_mod
 from lucegen.kernels import attention, conv1d, gdn, gemm, rows
 from lucegen.reference import State, relative_error
 from lucegen.runtime.memory import DeviceArray
+
+BF16 = ml_dtypes.bfloat16
 
 
 class HostArray(DeviceArray):
@@ -79,6 +83,60 @@ def store(dst: np.ndarray, value) -> None:
     dst[...] = np.asarray(value, np.float32).astype(dst.dtype).reshape(dst.shape)
 
 
+# ---- the GEMM's split-K, block by block ------------------------------------------------------------------------
+
+def gemm_kernel_config(name: str) -> tuple[int, int, str]:
+    """(BM, BN, epilogue) of a GEMM kernel's name, gemm_[wg]<BM>x<BN>_<epilogue>."""
+    shape, epilogue = re.fullmatch(r"gemm_(?:wg)?(\d+x\d+)_(\w+)", name).groups()
+    bm, bn = map(int, shape.split("x"))
+    return bm, bn, epilogue
+
+
+def gemm_tiles(m: int, n: int, bm: int, bn: int) -> int:
+    return math.ceil(m / bm) * math.ceil(n / bn)
+
+
+def split_add(x, w, y, bm: int, bn: int, splits: int, partials: np.ndarray, counters: np.ndarray,
+              blocks) -> None:
+    """The split-K `add` kernel (gemm.cuh's split_k_add) block by block, the blocks b = split * tiles + tile running
+    one after another in the order `blocks`: each stores its partial tile (the fp32 sum over its slice of K) in its
+    slot of `partials` and counts itself in on its tile's counter; the one that brings the count to `splits` zeroes
+    the counter and adds the tile's slots into y in slice order. y (fp32) is updated in place; x [M, K], w [N, K]."""
+    (M, K), N = x.shape, w.shape[0]
+    tiles_n = math.ceil(N / bn)
+    tiles = gemm_tiles(M, N, bm, bn)
+    xf, wf = x.astype(np.float32), w.astype(np.float32)
+    part = [xf[:, k0:k1] @ wf[:, k0:k1].T for k0, k1 in gemm.slices(K, splits)]  # gemm.reference's products
+    slots = partials.reshape(-1)[:splits * tiles * bm * bn].reshape(splits, tiles, bm, bn)
+    for b in blocks:
+        s, t = divmod(int(b), tiles)
+        rows, cols = slice(t // tiles_n * bm, t // tiles_n * bm + bm), slice(t % tiles_n * bn, t % tiles_n * bn + bn)
+        tile = part[s][rows, cols]
+        slots[s, t] = 0  # rows and columns past M and N: the kernel's zero-filled loads give zeros there
+        slots[s, t, :tile.shape[0], :tile.shape[1]] = tile
+        counters[t] += 1
+        if counters[t] == splits:
+            counters[t] = 0
+            total = slots[0, t]
+            for q in range(1, splits):
+                total = total + slots[q, t]
+            y[rows, cols] += total[:tile.shape[0], :tile.shape[1]]
+
+
+def order_sensitive_gemm(m: int, n: int, k: int, splits: int, seed: int):
+    """bf16 x [m, k], w [n, k] and fp32 y0 [m, n] whose split-K partials (K cut into `splits` slices, gemm.slices) are
+    exact in fp32 whatever order a slice sums its products in (small integers, one power-of-two scale per slice), but
+    of scales far enough apart that summing the partials in another order rounds differently: the kernel's result
+    is then gemm.reference(..., splits) bit for bit, and only if it sums the slices in slice order."""
+    rng = np.random.default_rng(seed)
+    scale = np.ones(k, np.float32)
+    for s, (k0, k1) in enumerate(gemm.slices(k, splits)):
+        scale[k0:k1] = 2.0 ** (0, -21, -9, -30, 5, -14, -3, -25)[s % 8]
+    x = (rng.integers(-4, 5, (m, k)) * scale).astype(np.float32).astype(BF16)
+    w = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(BF16)
+    return x, w, (8 * rng.standard_normal((m, n))).astype(np.float32)
+
+
 class HostKernel:
     """A kernel by name; its launch runs the family's numpy reference on the launch's arguments."""
 
@@ -92,10 +150,16 @@ class HostKernel:
         c, name = self.module.cfg, self.name
         grid = (grid,) if isinstance(grid, int) else grid
         if name.startswith("gemm_"):
-            X, W, Y, M, N, K = args
-            epilogue = name.rsplit("_", 1)[1]
+            X, W, Y, M, N, K, *workspace = args
+            bm, bn, epilogue = gemm_kernel_config(name)
             y = rows_of(Y, M, N // 2 if epilogue == "silu" else N)
-            store(y, gemm.reference(rows_of(X, M, K), W.a.reshape(N, K), epilogue, y.astype(np.float32)))
+            x, w = rows_of(X, M, K), W.a.reshape(N, K)
+            if epilogue == gemm.SPLIT_ADD:  # the blocks in an order of their own, as a GPU may finish them
+                blocks = np.random.default_rng(self.module.launches).permutation(grid[0])
+                self.module.launches += 1
+                split_add(x, w, y, bm, bn, grid[0] // gemm_tiles(M, N, bm, bn), *(a.a for a in workspace), blocks)
+            else:
+                store(y, gemm.reference(x, w, epilogue, y.astype(np.float32)))
         elif name.startswith("embed_h"):
             ids, table, x = args
             store(rows_of(x, grid[0], c.hidden_size), rows.embed_reference(table.a, ids.a[:grid[0]]))
@@ -142,7 +206,7 @@ class HostKernel:
 
 class HostModule:
     def __init__(self, cfg):
-        self.cfg, self.gates = cfg, None
+        self.cfg, self.gates, self.launches = cfg, None, 0
 
     def kernel(self, name: str) -> HostKernel:
         return HostKernel(self, name)

@@ -4,6 +4,7 @@ configurations fit each chip, and the host-side layouts (fused weights, conv rin
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from lucegen.reference import random_weights
 from lucegen.reference.deltanet import causal_conv1d
 from lucegen.reference.ops import silu
 from lucegen.spec import all_specs, gemm_methods, list_specs, load_spec
+from host_kernels import HostArray, HostModule, gemm_tiles, on_host, order_sensitive_gemm, split_add
 
 TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
                    linear_key_head_dim=64, linear_value_head_dim=64)  # tests/gpu/test_prefill_gpu.py's model
@@ -88,8 +90,14 @@ def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilog
     assert 1 <= s <= spec.tuning.prefill.split_k
     if s > 1:
         assert epilogue == "add" and c.tiles(m, n) < spec.chip.sm_count and kt // s >= gemm.MIN_SLICE
-        # a split pays for its atomics only by unloading the busiest SM
+        # a split pays for its partials' round trip only by unloading the busiest SM
         assert math.ceil(c.tiles(m, n) * s / spec.chip.sm_count) / s < 1
+        # one wave of resident blocks, whose partial tiles and tile counters the launcher's workspace holds
+        partials, counters = gemm.workspace(spec)
+        assert c.tiles(m, n) * s <= spec.chip.sm_count * c.min_blocks
+        assert c.tiles(m, n) * s * c.bm * c.bn <= partials and c.tiles(m, n) <= counters
+    assert [k1 - k0 for k0, k1 in gemm.slices(k, s)] == [(i + 1) * kt // s * 64 - i * kt // s * 64 for i in range(s)]
+    assert gemm.slices(k, s)[0][0] == 0 and gemm.slices(k, s)[-1][1] == k
 
 
 def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_not():
@@ -101,6 +109,74 @@ def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_
         assert gemm.splits(load_spec("h200"), c, 520, 1024, k, "add") == 1  # the spec's default: no split
     big = gemm.choose(h200, 4096, 5120, 17408, "add")
     assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
+
+
+def fold(start, parts):
+    """((start + parts[0]) + parts[1]) + ... in float32."""
+    for p in parts:
+        start = start + p if start is not None else p
+    return start
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4, 8])
+def test_split_k_reference_sums_the_slices_in_slice_order_then_adds_once(splits):
+    """gemm.reference(..., splits) is Y0 + ((p_0 + p_1) + ...) (gemm.py's docstring); on host_kernels'
+    order-sensitive inputs (what the GPU test checks the kernel with, bit for bit) every other order of summing the
+    partials, and adding them into Y0 one by one, gives other bits: a kernel summing out of order fails there."""
+    m, n, k = 70, 96, 64 * gemm.MIN_SLICE * splits
+    x, w, y0 = order_sensitive_gemm(m, n, k, splits, seed=splits)
+    parts = [x[:, k0:k1].astype(np.float32) @ w[:, k0:k1].astype(np.float32).T for k0, k1 in gemm.slices(k, splits)]
+    ref = gemm.reference(x, w, "add", y0, splits=splits)
+    assert np.array_equal(ref, y0 + fold(None, parts))
+    for p, (k0, k1) in zip(parts, gemm.slices(k, splits)):  # exact, however a kernel orders a slice's products
+        assert np.array_equal(p, x[:, k0:k1].astype(np.float64) @ w[:, k0:k1].astype(np.float64).T)
+    assert not np.array_equal(ref, fold(y0, parts)), "adding the slices into Y one by one"
+    orders = itertools.permutations(range(splits)) if splits <= 4 else [tuple(reversed(range(splits)))] + [
+        tuple(np.random.default_rng(i).permutation(splits)) for i in range(20)]
+    for order in orders:
+        if sorted(order[:2]) == [0, 1] and list(order[2:]) == list(range(2, splits)):
+            continue  # p_1 + p_0 = p_0 + p_1: the same sum
+        assert not np.array_equal(ref, y0 + fold(None, [parts[i] for i in order])), f"slices summed in order {order}"
+
+
+@pytest.mark.parametrize("bm, bn", [(64, 128), (128, 256)])
+@given(m=st.integers(1, 300), n2=st.integers(1, 300), splits=st.integers(2, 5), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_split_k_blocks_finishing_in_any_order_give_the_reference_bits(bm, bn, m, n2, splits, seed):
+    """host_kernels.split_add, the split kernel block by block (partials to slots, the tile's counter, the last block
+    adding the slots in slice order): whatever order the blocks finish in, y is gemm.reference(..., splits) bit for
+    bit and every counter is back at zero for the next launch."""
+    n, k = 2 * n2, 64 * gemm.MIN_SLICE * splits
+    x, w, y0 = order_sensitive_gemm(m, n, k, splits, seed)
+    tiles = gemm_tiles(m, n, bm, bn)
+    ref = gemm.reference(x, w, "add", y0, splits=splits)
+    partials = np.full(splits * tiles * bm * bn, np.nan, np.float32)
+    counters = np.zeros(tiles + 3, np.uint32)
+    rng = np.random.default_rng(seed)
+    for blocks in (np.arange(splits * tiles), np.arange(splits * tiles)[::-1], rng.permutation(splits * tiles)):
+        y = y0.copy()
+        split_add(x, w, y, bm, bn, splits, partials, counters, blocks)
+        assert np.array_equal(y, ref) and not counters.any()
+
+
+def test_the_gemm_launcher_hands_split_launches_its_workspace(monkeypatch):
+    """Gemm on host memory (host_kernels' stand-ins) with split-K: the 0.8B's residual adds at 520 tokens launch the
+    split kernel with tiles x splits blocks, the workspace and the counters, and give gemm.reference(..., splits)'s
+    bits, launch after launch, with the counters left at zero."""
+    with on_host(monkeypatch):
+        spec = load_spec("h200").with_prefill(gemm="mma", split_k=4)  # host kernels stand in for mma.sync's
+        op = gemm.Gemm(HostModule(TINY), spec)
+        for k in (2048, 3584):
+            x, w, y0 = order_sensitive_gemm(520, 1024, k, 4, seed=k)
+            c = gemm.choose(spec, 520, 1024, k, "add")
+            s = gemm.splits(spec, c, 520, 1024, k, "add")
+            assert s > 1
+            ref = gemm.reference(x, w, "add", y0, splits=s)
+            for _ in range(2):
+                y = HostArray.from_numpy(y0)
+                op(HostArray.from_numpy(x), HostArray.from_numpy(w), y, 520, 1024, k, "add")
+                assert np.array_equal(y.numpy(), ref) and not op.counters.numpy().any()
+    assert gemm.workspace(load_spec("h200")) == (0, 0)  # no split-K: no workspace
 
 
 def test_shapes_the_tiles_cannot_take_are_refused_with_a_reason():

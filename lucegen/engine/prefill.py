@@ -150,3 +150,4 @@ class Prefill:
             self.scratch.free()
         if hasattr(self, "attn"):
             self.attn.free()
+        self.gemm.free()  # split-K's workspace and tile counters

@@ -10,10 +10,21 @@ Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with c
 (Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
 the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
 most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
-per call, the one with the shorter estimated time. With tuning.prefill.split_k > 1, an `add` whose tiles are fewer
-than the SMs (the 0.8B's N = 1024 projections at a short prompt) is split along K into slices that add into Y
-atomically (`splits`): the busiest SM does less, but the fp32 sums' order then depends on the prompt's length and
-on timing.
+per call, the one with the shorter estimated time.
+
+Split-K (tuning.prefill.split_k > 1): an `add` whose tiles are fewer than the SMs (the 0.8B's N = 1024 projections at
+a short prompt) is split along K into `splits` slices, slice s taking k tiles [s KT / splits, (s + 1) KT / splits)
+of the KT = K / 64 (`slices`), when that unloads the busiest SM and the tiles x slices blocks fit one wave of
+resident blocks (`splits`). Each block writes its fp32 partial tile p_s to a slot of the launcher's workspace and
+counts itself in on its tile's counter; the last block of a tile to arrive sums the tile's partials in slice order
+and adds the sum into the residual once:
+
+    Y = Y0 + ((((p_0 + p_1) + p_2) + ...) + p_{splits-1})      (fp32, left to right; `reference(..., splits)`)
+
+so the result is the same bits run to run, whichever block finishes first (it still depends on the count of
+slices, which depends on the prompt's length: chunking a prompt differently changes the sums' grouping). The last
+block resets the tile's counter to zero, so the counters (a small buffer the Gemm allocates zeroed once) are zero
+before every launch and no memset runs per call; no block ever waits for another.
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ import numpy as np
 from ..codegen.unit import KernelSig, KernelUnit
 from ..model.config import ModelConfig
 from ..reference.ops import silu
+from ..runtime.memory import DeviceArray
 from ..spec import ChipSpec
 
 BK = 64          # K columns per pipeline stage
@@ -39,10 +51,10 @@ EPILOGUES = {
     "add": ("AddF32", "float", "added into an fp32 residual"),
     "silu": ("SiluMulBf16", "bf16", "silu(gate) * up from paired gate/up rows, bf16 out"),
 }
-# the `add` kernel the launcher runs when it splits K: slices of one tile add into Y atomically
+# the `add` kernel the launcher runs when it splits K: the last block of a tile sums its slices in order, then adds
 SPLIT_ADD = "add_split"
-KERNEL_EPILOGUES = {**EPILOGUES, SPLIT_ADD: ("AddF32Atomic", "float", "added atomically into an fp32 residual "
-                                             "(split-K slices)")}
+KERNEL_EPILOGUES = {**EPILOGUES, SPLIT_ADD: ("AddF32Split", "float", "added into an fp32 residual, split-K slices "
+                                             "summed in slice order by a tile's last block")}
 
 
 @dataclass(frozen=True)
@@ -110,12 +122,29 @@ def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
 
 def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str) -> int:
     """Slices of K for config c: 1, but for an `add` with fewer tiles than SMs (a narrow output at a short prompt)
-    the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each) that least loads the busiest SM, the fewest on
-    a tie."""
-    if epilogue != "add" or c.tiles(m, n) >= spec.chip.sm_count:
+    the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each, tiles x slices <= one wave of resident blocks,
+    which bounds the workspace) that least loads the busiest SM, the fewest on a tie."""
+    tiles, wave = c.tiles(m, n), spec.chip.sm_count * c.min_blocks
+    if epilogue != "add" or tiles >= spec.chip.sm_count:
         return 1
-    return min(range(1, max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE)) + 1),
-               key=lambda s: (_waves(spec, c, m, n, s), s))
+    most = max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE, wave // tiles))
+    return min(range(1, most + 1), key=lambda s: (_waves(spec, c, m, n, s), s))
+
+
+def slices(k: int, splits: int) -> list[tuple[int, int]]:
+    """The [k0, k1) columns of K each slice of a split launch takes (gemm.cuh's gemm_block_work)."""
+    kt = k // BK
+    return [(s * kt // splits * BK, (s + 1) * kt // splits * BK) for s in range(splits)]
+
+
+def workspace(spec: ChipSpec) -> tuple[int, int]:
+    """(fp32 partials, tile counters) a split launch may need on this chip: a BM x BN slot per block of one wave,
+    a counter per tile; (0, 0) without split-K."""
+    if spec.tuning.prefill.split_k <= 1:
+        return 0, 0
+    configs = tile_configs(spec)
+    return (max(spec.chip.sm_count * c.min_blocks * c.bm * c.bn for c in configs),
+            max(spec.chip.sm_count * c.min_blocks for c in configs))
 
 
 def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
@@ -125,9 +154,21 @@ def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") 
                * c.bm * c.bn / c.efficiency)
 
 
-def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None) -> np.ndarray:
-    """What the kernel writes, in float32 from the (bf16) inputs; `add` needs the fp32 array it adds into."""
-    acc = x.astype(np.float32) @ w.astype(np.float32).T
+def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None,
+              splits: int = 1) -> np.ndarray:
+    """What the kernel writes, in float32 from the (bf16) inputs; `add` needs the fp32 array it adds into. With
+    `splits` (an `add` only), K is cut as the kernel's slices are and their fp32 partials are summed in slice order,
+    left to right, before the one add into y (the split kernel's order, bit for bit given the partials)."""
+    xf, wf = x.astype(np.float32), w.astype(np.float32)
+    if splits > 1:
+        if epilogue != "add":
+            raise ValueError(f"split-K is for the `add` epilogue, not {epilogue!r}")
+        total = None
+        for k0, k1 in slices(x.shape[1], splits):
+            p = xf[:, k0:k1] @ wf[:, k0:k1].T
+            total = p if total is None else total + p
+        return y + total
+    acc = xf @ wf.T
     if epilogue == "add":
         return y + acc
     if epilogue == "silu":
@@ -145,9 +186,11 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     method = spec.tuning.prefill.gemm
     params = {
         "method": method,
+        "max_splits": spec.tuning.prefill.split_k,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
                          min_blocks=c.min_blocks) for c in configs],
-        "epilogues": [dict(name=e, functor=f, out=t, doc=d) for e, (f, t, d) in KERNEL_EPILOGUES.items()],
+        "epilogues": [dict(name=e, functor=f, out=t, doc=d, split=e == SPLIT_ADD)
+                      for e, (f, t, d) in KERNEL_EPILOGUES.items()],
     }
     sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
                  for e in KERNEL_EPILOGUES)
@@ -174,7 +217,9 @@ def tensor_map(ptr: int, rows: int, cols: int, box_rows: int):
 
 
 class Gemm:
-    """Y = X W^T for bf16 X [M, K] and W [N, K], with one of EPILOGUES."""
+    """Y = X W^T for bf16 X [M, K] and W [N, K], with one of EPILOGUES. With split-K, it owns the split launches'
+    workspace of partial tiles and their tile counters (zeroed once here; every launch leaves them zero), so the
+    launches of one Gemm must run one after another (one stream, or a graph of it)."""
 
     def __init__(self, module, spec: ChipSpec):
         self.spec = spec
@@ -185,6 +230,9 @@ class Gemm:
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)
                 self.kernels[c.name, e] = k
+        partials, counters = workspace(spec)
+        self.partials = DeviceArray.empty(partials, np.float32) if partials else None
+        self.counters = DeviceArray.zeros(counters, np.uint32) if counters else None
 
     def __call__(self, x, w, y, m: int, n: int, k: int, epilogue: str, stream=None,
                  config: TileConfig | None = None) -> None:
@@ -195,5 +243,13 @@ class Gemm:
         s = splits(self.spec, c, m, n, k, epilogue)
         if c.method == "wgmma":
             x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
-        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](s * c.tiles(m, n), c.threads, x, w, y, m, n, k,
-                                                                smem=c.smem, stream=stream)
+        blocks, args = s * c.tiles(m, n), (x, w, y, m, n, k)
+        if s > 1:
+            assert blocks * c.bm * c.bn <= self.partials.size and c.tiles(m, n) <= self.counters.size
+            args += (self.partials, self.counters)
+        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](blocks, c.threads, *args, smem=c.smem, stream=stream)
+
+    def free(self) -> None:
+        for a in (self.partials, self.counters):
+            if a is not None:
+                a.free()

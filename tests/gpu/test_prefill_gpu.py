@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
-from host_kernels import assert_state_close, on_host, state_errors
+from host_kernels import assert_state_close, on_host, order_sensitive_gemm, state_errors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
@@ -111,7 +111,7 @@ GEMM_KS = [64, 128, 1024, 3584, 5120]
 @pytest.fixture(scope="module")
 def gemms(spec, tmp_path_factory):
     """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once; with
-    split-K allowed, so an `add` with fewer tiles than SMs runs the atomic split kernel."""
+    split-K allowed, so an `add` with fewer tiles than SMs runs the split kernel."""
     root = tmp_path_factory.mktemp("gemm")
 
     @cache
@@ -142,6 +142,65 @@ def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
     op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
     ref = gemm.reference(x, w, epilogue, y0)
     assert rel_err(y.numpy(), ref) < (8e-3 if out_dtype == BF16 else 1e-5)
+
+
+SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
+
+
+@pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("method", GEMM_METHODS)
+@pytest.mark.parametrize("m, n, k", SPLIT_SHAPES)
+def test_split_k_gemm_sums_its_slices_in_slice_order(gemms, method, tile, m, n, k):
+    """On host_kernels' order-sensitive inputs (each slice's partial exact in fp32, the slices' scales far apart) the
+    split kernel gives gemm.reference(..., splits) bit for bit, launch after launch: Y0 + ((p_0 + p_1) + ...). Summing
+    the slices in any other order, or adding them into Y one by one, gives other bits on these inputs."""
+    op, spec = gemms(method)
+    config = gemm.tile_configs(spec)[tile == "small"]
+    s = gemm.splits(spec, config, m, n, k, "add")
+    if s == 1:
+        pytest.skip(f"{spec.name}: no split of {m}x{n}x{k} with {config.name} tiles")
+    x, w, y0 = order_sensitive_gemm(m, n, k, s, seed=k + s)
+    ref = gemm.reference(x, w, "add", y0, splits=s)
+    parts = [x[:, k0:k1].astype(np.float32) @ w[:, k0:k1].astype(np.float32).T for k0, k1 in gemm.slices(k, s)]
+    chain, backwards = y0.copy(), parts[-1]
+    for p in parts:
+        chain = chain + p
+    for p in parts[-2::-1]:
+        backwards = backwards + p
+    assert not np.array_equal(ref, chain) and not np.array_equal(ref, y0 + backwards)  # the test can tell
+    dx, dw = dev(x), dev(w)
+    for launch in range(3):
+        y = dev(y0)
+        op(dx, dw, y, m, n, k, "add", config=config)
+        out = y.numpy()
+        assert np.array_equal(out, ref), (f"launch {launch}: {np.count_nonzero(out != ref)} of {out.size} differ "
+                                          f"from the slice-order sum of {s} slices")
+
+
+@pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("method", GEMM_METHODS)
+@SETTINGS
+@given(m=st.one_of(st.sampled_from([520, 64, 1000]), st.integers(1, 1100)), n16=st.integers(1, 80),
+       k=st.sampled_from([1024, 2048, 3584, 5120]), seed=st.integers(0, 2**32 - 1))
+def test_split_k_gemm_is_deterministic(gemms, method, tile, m, n16, k, seed):
+    """A split `add` launched again on the same inputs gives the same bits (run to run; the counters left at zero by
+    each launch), within the fp32 tolerance of the reference."""
+    op, spec = gemms(method)
+    config = gemm.tile_configs(spec)[tile == "small"]
+    n = 16 * n16 - 2 * (seed % 8)
+    s = gemm.splits(spec, config, m, n, k, "add")
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf16(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    y0 = rng.standard_normal((m, n), dtype=np.float32)
+    dx, dw = dev(x), dev(w)
+    outs = []
+    for _ in range(3):
+        y = dev(y0)
+        op(dx, dw, y, m, n, k, "add", config=config)
+        outs.append(y.numpy())
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:]), f"{s} slices: launches differ"
+    assert rel_err(outs[0], gemm.reference(x, w, "add", y0, splits=s)) < 1e-5
 
 
 # ---- rows --------------------------------------------------------------------------------------------------------
@@ -377,7 +436,8 @@ def test_prefill_matches_the_reference(engine, model, T):
 @pytest.mark.parametrize("method", GEMM_METHODS)
 def test_prefill_with_every_gemm_variant_matches_the_reference(spec, method, split_k, tmp_path):
     """The whole 0.8B prefill of 520 tokens with each GEMM method the chip allows, without and with split-K (the
-    0.8B's N = 1024 residual adds at 520 tokens have fewer tiles than SMs, so split_k 4 splits them)."""
+    0.8B's N = 1024 residual adds at 520 tokens have fewer tiles than SMs, so split_k 4 splits them), twice: the
+    second run's logits and state are the first's, bit for bit."""
     if method not in gemm_methods(spec):
         pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
     variant, cfg, w, T = spec.with_prefill(gemm=method, split_k=split_k), MODELS["0.8b"](), model_weights("0.8b"), 520
@@ -389,7 +449,13 @@ def test_prefill_with_every_gemm_variant_matches_the_reference(spec, method, spl
     ref = reference_last_logits(w, cfg, ids, ref_state)
     assert rel_err(logits, ref) < E2E_RTOL["0.8b"]
     assert_state_close(state, ref_state, E2E_RTOL["0.8b"])
-    for a in (state, prefill, weights):
+    again = DeviceState(cfg, T + 16)  # the same prompt again: the same bits, split-K or not
+    assert np.array_equal(run((prefill, weights), again, ids), logits)
+    first, second = state.to_reference(), again.to_reference()
+    for table in ("conv", "recurrent", "keys", "values"):
+        for i, a in getattr(first, table).items():
+            assert np.array_equal(getattr(second, table)[i], a), f"{table} of layer {i} differs between two runs"
+    for a in (state, again, prefill, weights):
         a.free()
 
 
