@@ -61,6 +61,7 @@ class Launch:
 
 
 GEMV_METHODS = ("ldg", "bulk")
+QGEMM_METHODS = ("dp4a", "mma")  # the quantized GEMM (M > 1): integer dot products, or int8 mma.sync (sm_80+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class QGemvTuning:
     gemm_rows_per_warp: int = 1  # the GEMM's: each activation row read from L1 serves this many weight rows
     stages: int = 0           # items (span slices of its rows) in each warp's cp.async ring in shared memory; 0: none,
                               # the loads go straight into registers
+    gemm: str = "dp4a"        # the GEMM (M > 1) of the formats that have both: dp4a, or mma (int8 tensor cores)
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
+    if t.qgemv.gemm not in QGEMM_METHODS:
+        _fail(source, "tuning.qgemv.gemm", f"{t.qgemv.gemm!r} is not one of {', '.join(QGEMM_METHODS)}")
     if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
         _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:

@@ -1,5 +1,6 @@
 // mma.cuh: tensor-core building blocks for every lucegen arch (sm_80+): cp.async copies into shared memory,
-// ldmatrix fragment loads, mma.sync in bf16 (m16n8k16) and tf32 (m16n8k8), fp32 accumulators.
+// ldmatrix fragment loads, mma.sync in bf16 (m16n8k16) and tf32 (m16n8k8), fp32 accumulators, and int8
+// (m16n8k32) with int32 ones.
 //
 // Fragment layouts (PTX ISA, "matrix fragments for mma.m16n8k16 / m16n8k8"), with g = lane / 4, t = lane % 4:
 //   bf16 A (16x16, row-major)  a[0]: (g, 2t..2t+1)  a[1]: (g+8, 2t..)  a[2]: (g, 2t+8..)  a[3]: (g+8, 2t+8..)
@@ -62,6 +63,15 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d = a b for a 16x32 int8 A, a 32x8 int8 B, int32 d: a[0] (g, 4t..4t+3), a[1] (g+8, 4t..), a[2] (g, 16+4t..),
+// a[3] (g+8, 16+4t..); b[0] (k 4t..4t+3, n g), b[1] (k 16+4t.., n g); d laid out as fp32 C. Exact integers.
+__device__ __forceinline__ void mma_s8(int (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
 }
 
 // fp32 -> tf32 (10 mantissa bits), rounded to nearest, ties away from zero.

@@ -178,6 +178,103 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         }
 }
 
+// The GEMM on int8 tensor cores (formats with F::MMA), giving qgemm's bits. Lane l of qgemm sums, slice by slice,
+// the terms of its class of pieces (piece l of every slice: block l / PIECES of the slice, piece l % PIECES of it);
+// here a block takes 16 rows and MT activation rows (a multiple of 8), and warp w the classes 4w .. 4w+3 (8 warps:
+// the 32 classes; with 8 pieces a block, one block of each slice). For each of its pieces and 8 activation rows one
+// mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over half the piece's values, for
+// F::SPLIT), then F::term scales it in fp32 and the class's sum takes it, as qgemm's lane does. At the end the 32
+// class sums of each output meet in shared memory and are added in warp_sum's butterfly order.
+template <class F, int K, int MT, int THREADS>
+struct QGemmMma {
+    static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
+    static_assert(MT % 8 == 0 && MT <= 32, "activation rows in mma tiles of 8");
+    static constexpr int ROWS = 16;                      // weight rows per block: the mma's M
+    static constexpr int SMEM = 32 * ROWS * MT * 4;      // the class sums of the block's outputs
+};
+
+template <class F, int K, int MT, int THREADS>
+__device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
+                          float* __restrict__ y, int N, int M, unsigned char* smem) {
+    using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
+    using R = QGemmMma<F, K, MT, THREADS>;
+    constexpr int NT = MT / 8, BLOCKS = K / F::BLOCK_VALUES, PIECE_XB = F::XB / F::PIECES;
+    const int mtiles = (M + MT - 1) / MT;
+    const int m0 = (blockIdx.x % mtiles) * MT, r0 = (blockIdx.x / mtiles) * R::ROWS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    wait_for_prior_grids();
+    // This thread's A rows g and g + 8, B activation rows 8 nt + g and C activation rows 8 nt + 2t, 8 nt + 2t + 1
+    // (rows past N or M read the last one; their outputs are dropped).
+    const unsigned char* wr[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) wr[i] = W + (long long)min(r0 + g + 8 * i, N - 1) * Q::ROW_BYTES;
+    const auto xrow = [&](int m) { return x + (long long)min(m0 + m, M - 1) * Q::X_ROW_BYTES; };
+    float acc[4][NT][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
+#pragma unroll 1
+    for (int s = 0; s < Q::SLICES; ++s) {
+        const int blk = s * (32 / F::PIECES) + warp / 2;
+        if (blk >= BLOCKS) break;  // a partial last slice without this warp's block: qgemm's lanes skip it too
+        const long long wo = (long long)blk * F::BLOCK_BYTES;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int p = 4 * (warp % 2) + c;
+            unsigned a[2][2];
+            typename F::Scale sc[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                F::mma_words(wr[i] + wo, p, t, a[i][0], a[i][1]);
+                sc[i] = F::scale(wr[i] + wo, p);
+            }
+            const long long xo = (long long)blk * F::XB + p * PIECE_XB;  // the piece's XBlock in a row
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const XBlock& xq = *reinterpret_cast<const XBlock*>(xrow(8 * nt + g) + xo);
+                const unsigned b[2] = {static_cast<unsigned>(xq.q[t]), static_cast<unsigned>(xq.q[4 + t])};
+                int lo[4], hi[4] = {0, 0, 0, 0};
+                if constexpr (F::SPLIT) {
+                    mma_s8(lo, {a[0][0], a[1][0], 0u, 0u}, b);
+                    mma_s8(hi, {0u, 0u, a[0][1], a[1][1]}, b);
+                } else {
+                    mma_s8(lo, {a[0][0], a[1][0], a[0][1], a[1][1]}, b);
+                }
+                int4 meta[2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) meta[j] = reinterpret_cast<const XBlock*>(xrow(8 * nt + 2 * t + j) + xo)->meta();
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // C element e: row g + 8 (e / 2), activation 8 nt + 2t + e % 2
+                    acc[c][nt][e] = __fadd_rn(acc[c][nt][e], F::term(sc[e / 2], lo[e], hi[e], meta[e % 2]));
+            }
+        }
+    }
+    launch_next_grid();
+    float* red = reinterpret_cast<float*>(smem);  // [class][row][activation]
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[((4 * warp + c) * R::ROWS + g + 8 * (e / 2)) * MT + 8 * nt + 2 * t + e % 2] = acc[c][nt][e];
+    __syncthreads();
+    for (int o = threadIdx.x; o < R::ROWS * MT; o += THREADS) {
+        const int row = o / MT, m = o % MT;
+        float v[32];
+#pragma unroll
+        for (int l = 0; l < 32; ++l) v[l] = red[(l * R::ROWS + row) * MT + m];
+#pragma unroll
+        for (int w = 16; w > 0; w >>= 1)  // warp_sum's order: lane l adds lane l ^ w's partial
+#pragma unroll
+            for (int l = 0; l < w; ++l) v[l] += v[l + w];
+        if (r0 + row < N && m0 + m < M) y[(long long)(m0 + m) * N + r0 + row] = v[0];
+    }
+}
+
 // X [M, K] fp32 (K a multiple of 32) -> its `blocks` = M * K / 32 XBlocks, in order: one per thread, grid-stride.
 __device__ inline void quantize_x(const float* __restrict__ x, XBlock* __restrict__ out, int blocks) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < blocks; i += gridDim.x * blockDim.x)

@@ -27,6 +27,15 @@
 //   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K: u = sum of q qx, a = fl(d sc), b = fl(dmin m), v = sum of qx)
 // Every integer is exact and below 2^24, so its conversion to float is too. lucegen/kernels/qgemv.py emulates
 // this in numpy bit for bit (piece_terms).
+//
+// Tensor cores (Q4_K, Q6_K: F::MMA). The GEMM of a tree verify takes u from int8 mma instead of dp4a: the same
+// integer. A format then gives
+//   F::mma_words(block, p, t, lo, hi)  the piece's values 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) as bytes: an
+//                                      A fragment's words for one row (mma.cuh),
+//   F::Scale, F::scale(block, p)       the piece's scales,
+//   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
+//   F::term(scale, dlo, dhi, meta)     the term t from the dots of the halves with the XBlock (meta: XBlock::meta),
+// and F::dot computes its term through the same F::term.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -315,9 +324,9 @@ struct FmtK4 {
 #pragma unroll
             for (int i = 0; i < 8; ++i) pc.q[i] |= ((qh[i] >> p) << 4) & 0x10101010u;
         }
-        const unsigned scm = scale_min_k4(p, h);
-        pc.ds = __fmul_rn(half_to_float(h.x & 0xFFFFu), byte_minus(scm, 0, MAGIC_U_VALUE));
-        pc.dm = __fmul_rn(half_to_float(h.x >> 16), byte_minus(scm, 1, MAGIC_U_VALUE));
+        const Scale sc = scale(h, p);
+        pc.ds = sc.ds;
+        pc.dm = sc.dm;
         pc.j = p;
         return pc;
     }
@@ -334,6 +343,13 @@ struct FmtK4 {
             w[i] = __fmaf_rn(pc.ds, byte_minus(values(pc, 2 * r + i / 4), i % 4, MAGIC_U_VALUE), -pc.dm);
     }
     static constexpr int XB = 8 * sizeof(XBlock);
+    struct Scale {
+        float ds, dm;
+    };
+    static constexpr bool SPLIT = false;
+    __device__ static float term(const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return group_term(__int_as_float(meta.x), sc.ds, dlo + dhi, sc.dm, meta.y);
+    }
     // One group: the sub-block, with its activation block. u = the sum of q qx; for Q4_K's odd pieces the bytes are
     // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly.
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
@@ -342,7 +358,22 @@ struct FmtK4 {
         const int4 meta = x.meta();
         int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
         if (high(pc)) u = (u + 128 * meta.y) >> 4;
-        return group_term(__int_as_float(meta.x), pc.ds, u, pc.dm, meta.y);
+        return term({pc.ds, pc.dm}, u, 0, meta);
+    }
+    // Tensor cores (Q4_K): value 4t + i of piece p is nibble p % 2 of qs byte 32 (p / 2) + 4t + i.
+    static constexpr bool MMA = !Q5;
+    __device__ static void mma_words(const unsigned char* block, int p, int t, unsigned& lo, unsigned& hi) {
+        const unsigned* q = reinterpret_cast<const unsigned*>(block + QS + 32 * (p / 2) + 4 * t);
+        lo = (q[0] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+        hi = (q[4] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+    }
+    __device__ static Scale scale(const uint4& h, int p) {  // h: the block's first 16 bytes
+        const unsigned scm = scale_min_k4(p, h);
+        return {__fmul_rn(half_to_float(h.x & 0xFFFFu), byte_minus(scm, 0, MAGIC_U_VALUE)),
+                __fmul_rn(half_to_float(h.x >> 16), byte_minus(scm, 1, MAGIC_U_VALUE))};
+    }
+    __device__ static Scale scale(const unsigned char* block, int p) {
+        return scale(*reinterpret_cast<const uint4*>(block), p);
     }
 };
 using FmtQ4_K = FmtK4<false>;
@@ -405,16 +436,40 @@ struct FmtQ6_K {
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE + 32.f));
     }
     static constexpr int XB = 8 * sizeof(XBlock);
+    struct Scale {
+        int sc[2];
+        float d;
+    };
+    static constexpr bool SPLIT = true;
     // One group: the piece's 32 values, with its activation block; the two scales multiply their halves' integer dots
     // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d. The bytes
     // are q, not q - 32 (0 .. 63: the same as signed bytes), so a half's dot is u0 + 32 (qx[0] + ... + qx[15]): the
     // XBlock's half sums take the 32 back off, and u0, u1, u are the same integers.
+    __device__ static float term(const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return group_term(__int_as_float(meta.x), sc.d, sc.sc[0] * (dlo - 32 * meta.z) + sc.sc[1] * (dhi - 32 * meta.w));
+    }
     __device__ static float dot(const Piece& pc, const unsigned char* xb) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
-        const int4 meta = x.meta();
-        const int u0 = dot_words(lo, x.quad(0)) - 32 * meta.z, u1 = dot_words(hi, x.quad(1)) - 32 * meta.w;
-        return group_term(__int_as_float(meta.x), pc.d, pc.sc[0] * u0 + pc.sc[1] * u1);
+        return term({{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)), x.meta());
+    }
+    // Tensor cores: value 4t + i of piece p (half h, k as above) is ql[64h + 32 (k % 2) + 4t + i]'s nibble k / 2 and
+    // bits 2k, 2k + 1 of qh[32h + 4t + i]; the block is 2-byte aligned, so each word is two 16-bit loads.
+    static constexpr bool MMA = true;
+    __device__ static unsigned word_a2(const unsigned char* q) {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(q);
+        return h[0] | (static_cast<unsigned>(h[1]) << 16);
+    }
+    __device__ static void mma_words(const unsigned char* block, int p, int t, unsigned& lo, unsigned& hi) {
+        const int h = p / 4, k = p % 4;
+        const unsigned char* ql = block + 64 * h + 32 * (k % 2) + 4 * t;
+        const unsigned char* qh = block + 128 + 32 * h + 4 * t;
+        lo = ((word_a2(ql) >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((word_a2(qh) >> (2 * k)) & 0x03030303u) << 4);
+        hi = ((word_a2(ql + 16) >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((word_a2(qh + 16) >> (2 * k)) & 0x03030303u) << 4);
+    }
+    __device__ static Scale scale(const unsigned char* block, int p) {
+        const signed char* sc = reinterpret_cast<const signed char*>(block + 192 + 2 * p);
+        return {{sc[0], sc[1]}, half_to_float(*reinterpret_cast<const unsigned short*>(block + 208))};
     }
 };
 

@@ -97,9 +97,20 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
-            assert [t.mt for t in gemms] == [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
-            assert all(t.span == min(q.gemm_span, slices) for t in gemms)
+            if q.gemm == "mma" and f.mma:  # tensor cores: M-tiles of 8 and 16, 16 rows a block
+                assert [(t.mt, t.mma, t.rows_per_block()) for t in gemms] == [(8, True, 16), (16, True, 16)]
+            else:
+                assert [t.mt for t in gemms] == [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
+                assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
             assert len({t.name(f, k) for t in (v, *gemms)}) == 1 + len(gemms)
+
+
+def test_mma_sizes_worked_out_by_hand():
+    q4k = qgemv.FORMATS["q4_k"]
+    t = qgemv.Tuning(256, 1, 16, 1, mma=True)
+    assert t.smem(q4k) == 32 * 16 * 16 * 4       # 32 lane classes x 16 rows x 16 activation rows of fp32 sums
+    assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
+    assert t.name(q4k, 5120) == "qgemm_mma_m16_q4_k_k5120_t256"
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():

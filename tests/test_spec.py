@@ -77,6 +77,7 @@ def _delete(path: str):
     (_set("tuning.prefill", {"gemm": "tcgen05"}), "tuning.prefill.gemm", "is not one of"),
     (_set("tuning.prefill", {"split_k": 0}), "tuning.prefill.split_k", "between 1 (no split) and 8"),
     (_set("tuning.qgemv", {"stages": 1}), "tuning.qgemv.stages", "0 (no ring) or between 2 and 8"),
+    (_set("tuning.qgemv", {"gemm": "wmma"}), "tuning.qgemv.gemm", "is not one of"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
 ])

@@ -32,6 +32,7 @@ from ..spec import WEIGHT_FORMATS, ChipSpec
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
+MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a block (the mma's M), threads (a warp per 4 lane classes)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Format:
     block_bytes: int
     pieces: int
     aligned16: bool
+    mma: bool = False  # the GEMM can run on int8 tensor cores (quant.cuh's F::MMA)
 
     @property
     def quantizes_x(self) -> bool:
@@ -83,9 +85,9 @@ FORMATS = {f.name: f for f in (
     Format("bf16", GGMLType.BF16, "FmtBf16", 8, 16, 1, True),
     Format("q8_0", GGMLType.Q8_0, "FmtQ8_0", 32, 34, 1, False),
     Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False),
-    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True),
+    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, mma=True),
     Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True),
-    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False),
+    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False, mma=True),
 )}
 assert tuple(FORMATS) == WEIGHT_FORMATS
 
@@ -226,17 +228,23 @@ class Tuning:
     mt: int          # activation rows per block (1: the GEMV)
     span: int        # K-slices per item (a warp's unit of loads)
     stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
+    mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: 16 rows a block, 8 warps; rows, span, stages unused)
 
     def name(self, fmt: Format, k: int) -> str:
+        if self.mma:
+            return f"qgemm_mma_m{self.mt}_{fmt.name}_k{k}_t{self.threads}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
         return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
 
     def rows_per_block(self) -> int:
-        return self.threads // 32 * self.rows
+        return MMA_ROWS if self.mma else self.threads // 32 * self.rows
 
     def smem(self, fmt: Format) -> int:
-        """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots."""
+        """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
+        32 lane classes' sums of the block's 16 x mt outputs."""
+        if self.mma:
+            return 32 * MMA_ROWS * self.mt * 4
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
     def grid(self, n: int, m: int) -> int:
@@ -248,11 +256,15 @@ class Tuning:
 def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
-    products whether it exists or not); spans no longer than K's slices."""
+    products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
+    that have it take the GEMM on int8 tensor cores, in M-tiles of 8 and 16."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
-    gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
-             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
+    if q.gemm == "mma" and fmt.mma:
+        gemms = [Tuning(MMA_THREADS, 1, mt, 1, mma=True) for mt in (8, 16)]
+    else:
+        gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
+                 for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 
 
@@ -294,7 +306,7 @@ def gguf_pairs(checkpoint) -> list[tuple[str, int]]:
 def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] | None = None,
           extra: Iterable[Tuning] = ()) -> list[KernelUnit]:
     """One unit per format: the GEMV and the GEMM of each of its K (and a kernel for each of the `extra` tunings:
-    bench qgemv --tune), and the format's dequantizer. By default the pairs of the model in DEFAULT_MIX that the
+    bench qgemv --tune; mma ones only for the formats that have it), and the format's dequantizer. By default the pairs of the model in DEFAULT_MIX that the
     spec runs; an engine loading a GGUF file passes gguf_pairs(file)."""
     if pairs is None:
         pairs = [(f, k) for f, k in mix_pairs(model, DEFAULT_MIX) if f in spec.tuning.weight_formats]
@@ -306,13 +318,13 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
         kernels = {}
         for k in sorted(k for f, k in pairs if f == name):
             check_k(fmt, k)
-            for t in (*tunings(spec, fmt, k), *extra):
+            for t in (*tunings(spec, fmt, k), *(e for e in extra if fmt.mma or not e.mma)):
                 t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
                 if t.smem(fmt) > spec.chip.smem_per_block:
                     raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {t.smem(fmt)} bytes of shared memory; "
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
-                                           "span": t.span, "stages": t.stages, "threads": t.threads,
+                                           "span": t.span, "stages": t.stages, "threads": t.threads, "mma": t.mma,
                                            "smem": t.smem(fmt), "min_blocks": 2}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()

@@ -34,11 +34,11 @@ TAIL = 64  # poisoned elements past the end of every output
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-# other tunings (threads, rows per warp, M-tile, span, the warps' shared-memory rings): the same arithmetic, so the
-# same bits
+# other tunings (threads, rows per warp, M-tile, span, the warps' shared-memory rings, int8 tensor cores for the
+# formats that have them): the same arithmetic, so the same bits
 VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning(128, 1, 16, 1),
             qgemv.Tuning(256, 2, 4, 2), qgemv.Tuning(256, 1, 1, 2, 4), qgemv.Tuning(128, 2, 1, 1, 2),
-            qgemv.Tuning(256, 1, 8, 1, 3)]
+            qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 8, 1, mma=True), qgemv.Tuning(256, 1, 16, 1, mma=True)]
 
 
 @pytest.fixture(scope="module", params=["device", "rtx3090"])
@@ -57,7 +57,7 @@ def ops(request, tmp_path_factory):
         return qgemv.QMatmul(modules[f], spec, f, k, kernels=(t,))
     return ({(f, k): qgemv.QMatmul(modules[f], spec, f, k) for f, k in PAIRS},
             {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.qgemv.threads) for f in KS},
-            {(f, k): [variant(f, k, t) for t in VARIANTS] for f, k in PAIRS})
+            {(f, k): [variant(f, k, t) for t in VARIANTS if qgemv.fmt_of(f).mma or not t.mma] for f, k in PAIRS})
 
 
 def poisoned(n: int) -> DeviceArray:
