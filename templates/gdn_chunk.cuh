@@ -148,9 +148,18 @@ __device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__
     // l2 norm factors (q's with dk^-1/2) and the cumulative log-decay
     row_sumsq<S::DK>(sm.q, [&](int r, float ss) { sm.qn[r] = rsqrtf(ss + 1e-6f) * rsqrtf(float(S::DK)); });
     row_sumsq<S::DK>(sm.k, [&](int r, float ss) { sm.kn[r] = rsqrtf(ss + 1e-6f); });
-    if (threadIdx.x == 0) {
-        float c = 0.f;
-        for (int r = 0; r < 64; ++r) sm.c[r] = c += sm.g[r];
+    if (warp == 0) {  // lane l: tokens 2l, 2l+1, after the others' sums by a warp scan (not 64 dependent steps)
+        const float g0 = sm.g[2 * lane], g1 = sm.g[2 * lane + 1];
+        float incl = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float u = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += u;
+        }
+        float before = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) before = 0.f;
+        sm.c[2 * lane] = before + g0;
+        sm.c[2 * lane + 1] = (before + g0) + g1;
     }
     __syncthreads();
 
@@ -294,19 +303,28 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
         const float* f = sm.fac(s);
         const int r0 = 16 * warp;  // this warp's token rows in the token-row products
 
-        // k S and q S (tf32: k, q exact, S rounded)
+        // k S and q S (tf32: k, q exact, S rounded). 16 dims at a time: k and q rows by ldmatrix as bf16 A fragments
+        // (the thread's dims 2t, 2t+1, 2t+8, 2t+9; bf16 -> tf32 is exact), split over two tf32 mmas whose k slots t,
+        // t+4 stand for dims 2t, 2t+8 and 2t+1, 2t+9; S's B fragments take the same dims, two adjacent per load.
         float ks[NB][4] = {}, qs[NB][4] = {};
-#pragma unroll 4
-        for (int d = 0; d < S::DK; d += 8) {
-            const unsigned ak[4] = {tf32(k.at(r0 + gq, d + tq)), tf32(k.at(r0 + gq + 8, d + tq)),
-                                    tf32(k.at(r0 + gq, d + tq + 4)), tf32(k.at(r0 + gq + 8, d + tq + 4))};
-            const unsigned aq[4] = {tf32(q.at(r0 + gq, d + tq)), tf32(q.at(r0 + gq + 8, d + tq)),
-                                    tf32(q.at(r0 + gq, d + tq + 4)), tf32(q.at(r0 + gq + 8, d + tq + 4))};
+#pragma unroll 2
+        for (int d = 0; d < S::DK; d += 16) {
+            unsigned rk[4], rq[4];
+            load_a_frag(rk, k, r0, d);
+            load_a_frag(rq, q, r0, d);
+            const unsigned ak0[4] = {rk[0] << 16, rk[1] << 16, rk[2] << 16, rk[3] << 16};
+            const unsigned ak1[4] = {rk[0] & 0xffff0000u, rk[1] & 0xffff0000u, rk[2] & 0xffff0000u,
+                                     rk[3] & 0xffff0000u};
+            const unsigned aq0[4] = {rq[0] << 16, rq[1] << 16, rq[2] << 16, rq[3] << 16};
+            const unsigned aq1[4] = {rq[0] & 0xffff0000u, rq[1] & 0xffff0000u, rq[2] & 0xffff0000u,
+                                     rq[3] & 0xffff0000u};
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                const unsigned b[2] = {st[(8 * nb + gq) * Sm::STLD + d + tq], st[(8 * nb + gq) * Sm::STLD + d + tq + 4]};
-                mma_tf32(ks[nb], ak, b);
-                mma_tf32(qs[nb], aq, b);
+                const unsigned* row = st + (8 * nb + gq) * Sm::STLD + d + 2 * tq;
+                const uint2 lo = *reinterpret_cast<const uint2*>(row), hi = *reinterpret_cast<const uint2*>(row + 8);
+                const unsigned b0[2] = {lo.x, hi.x}, b1[2] = {lo.y, hi.y};
+                mma_tf32(ks[nb], ak0, b0), mma_tf32(ks[nb], ak1, b1);
+                mma_tf32(qs[nb], aq0, b0), mma_tf32(qs[nb], aq1, b1);
             }
         }
         // r = beta (v - a o kS), transposed into xt
@@ -373,22 +391,29 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
             for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[ms][nb][e] *= decay;
-#pragma unroll
-        for (int kt = 0; kt < 64; kt += 8) {
-            const float kf0 = f[192 + kt + tq], kf1 = f[192 + kt + tq + 4];
-            unsigned b[NB][2];
+        // 16 tokens at a time: k^T's A fragments by a transposing ldmatrix of the k tile (r[0]: dims g, tokens 2t,
+        // 2t+1; r[1]: g, 2t+8..; r[2]: g+8, 2t..; r[3]: g+8, 2t+8..), split over two tf32 mmas as in k S above.
+#pragma unroll 2
+        for (int kt = 0; kt < 64; kt += 16) {
+            const float2 kf_lo = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq);
+            const float2 kf_hi = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq + 8);
+            unsigned b0[NB][2], b1[NB][2];
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                b[nb][0] = tf32(kf0 * xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]);
-                b[nb][1] = tf32(kf1 * xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4]);
+                const float* x = xt + (8 * nb + gq) * GDN_MAT_LD + kt + 2 * tq;
+                const float2 lo = *reinterpret_cast<const float2*>(x), hi = *reinterpret_cast<const float2*>(x + 8);
+                b0[nb][0] = tf32(kf_lo.x * lo.x), b0[nb][1] = tf32(kf_hi.x * hi.x);
+                b1[nb][0] = tf32(kf_lo.y * lo.y), b1[nb][1] = tf32(kf_hi.y * hi.y);
             }
 #pragma unroll
             for (int ms = 0; ms < MS; ++ms) {
-                const int i0 = i_base + 16 * ms;
-                const unsigned a[4] = {tf32(k.at(kt + tq, i0 + gq)), tf32(k.at(kt + tq, i0 + gq + 8)),
-                                       tf32(k.at(kt + tq + 4, i0 + gq)), tf32(k.at(kt + tq + 4, i0 + gq + 8))};
+                unsigned r[4];
+                load_b_frags_kn(r, k, kt, i_base + 16 * ms);
+                const unsigned a0[4] = {r[0] << 16, r[2] << 16, r[1] << 16, r[3] << 16};
+                const unsigned a1[4] = {r[0] & 0xffff0000u, r[2] & 0xffff0000u, r[1] & 0xffff0000u,
+                                        r[3] & 0xffff0000u};
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) mma_tf32(acc_s[ms][nb], a, b[nb]);
+                for (int nb = 0; nb < NB; ++nb) mma_tf32(acc_s[ms][nb], a0, b0[nb]), mma_tf32(acc_s[ms][nb], a1, b1[nb]);
             }
         }
         // the new state as the next chunk's tf32 operand (every warp read st before the first barrier above)
