@@ -216,21 +216,27 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
+    // The warp's block of slice s, its raw bytes loaded a slice ahead (raw: this slice's, for rows g and g + 8).
+    const int q = warp % 2;
+    const auto block_of = [&](int s) { return s * (32 / F::PIECES) + warp / 2; };
+    typename F::MmaRaw raw[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) raw[i] = F::mma_raw(wr[i] + (long long)min(block_of(0), BLOCKS - 1) * F::BLOCK_BYTES, q, t);
 #pragma unroll 1
     for (int s = 0; s < Q::SLICES; ++s) {
-        const int blk = s * (32 / F::PIECES) + warp / 2;
+        const int blk = block_of(s);
         if (blk >= BLOCKS) break;  // a partial last slice without this warp's block: qgemm's lanes skip it too
-        const long long wo = (long long)blk * F::BLOCK_BYTES;
+        typename F::MmaRaw next[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)  // (past the last block: the last block again, unused)
+            next[i] = F::mma_raw(wr[i] + (long long)min(block_of(s + 1), BLOCKS - 1) * F::BLOCK_BYTES, q, t);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const int p = 4 * (warp % 2) + c;
+            const int p = 4 * q + c;
             unsigned a[2][2];
             typename F::Scale sc[2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                F::mma_words(wr[i] + wo, p, t, a[i][0], a[i][1]);
-                sc[i] = F::scale(wr[i] + wo, p);
-            }
+            for (int i = 0; i < 2; ++i) F::mma_piece(raw[i], q, c, a[i][0], a[i][1], sc[i]);
             const long long xo = (long long)blk * F::XB + p * PIECE_XB;  // the piece's XBlock in a row
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
@@ -251,6 +257,8 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                     acc[c][nt][e] = __fadd_rn(acc[c][nt][e], F::term(sc[e / 2], lo[e], hi[e], meta[e % 2]));
             }
         }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) raw[i] = next[i];
     }
     launch_next_grid();
     float* red = reinterpret_cast<float*>(smem);  // [class][row][activation]

@@ -30,9 +30,10 @@
 //
 // Tensor cores (Q4_K, Q6_K: F::MMA). The GEMM of a tree verify takes u from int8 mma instead of dp4a: the same
 // integer. A format then gives
-//   F::mma_words(block, p, t, lo, hi)  the piece's values 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3 (hi) as bytes: an
-//                                      A fragment's words for one row (mma.cuh),
-//   F::Scale, F::scale(block, p)       the piece's scales,
+//   F::MmaRaw, F::mma_raw(block, q, t) what thread t (mma.cuh's fragments) loads of the block for its pieces
+//                                      4q .. 4q+3 (a quad),
+//   F::mma_piece(raw, q, c, lo, hi, sc) piece 4q + c from that: its values 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3
+//                                      (hi) as bytes (an A fragment's words for one row) and its F::Scale,
 //   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
 //   F::term(scale, dlo, dhi, meta)     the term t from the dots of the halves with the XBlock (meta: XBlock::meta),
 // and F::dot computes its term through the same F::term.
@@ -360,20 +361,30 @@ struct FmtK4 {
         if (high(pc)) u = (u + 128 * meta.y) >> 4;
         return term({pc.ds, pc.dm}, u, 0, meta);
     }
-    // Tensor cores (Q4_K): value 4t + i of piece p is nibble p % 2 of qs byte 32 (p / 2) + 4t + i.
+    // Tensor cores (Q4_K): value 4t + i of piece p is nibble p % 2 of qs byte 32 (p / 2) + 4t + i. Quad q (pieces
+    // 4q .. 4q+3) of a block: the header and the words at 4t and 16 + 4t of qs bytes 64q .. 64q+63.
     static constexpr bool MMA = !Q5;
-    __device__ static void mma_words(const unsigned char* block, int p, int t, unsigned& lo, unsigned& hi) {
-        const unsigned* q = reinterpret_cast<const unsigned*>(block + QS + 32 * (p / 2) + 4 * t);
-        lo = (q[0] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
-        hi = (q[4] >> (4 * (p % 2))) & 0x0F0F0F0Fu;
+    struct MmaRaw {
+        uint4 h;
+        unsigned w[4];  // pair j (pieces 4q + 2j, 4q + 2j + 1): w[2j] values 4t.., w[2j + 1] values 16 + 4t..
+    };
+    __device__ static MmaRaw mma_raw(const unsigned char* block, int q, int t) {
+        MmaRaw r;
+        r.h = *reinterpret_cast<const uint4*>(block);
+        const unsigned* w = reinterpret_cast<const unsigned*>(block + QS + 64 * q + 4 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.w[i] = w[4 * i];  // bytes 64q + 16 i + 4t
+        return r;
+    }
+    __device__ static void mma_piece(const MmaRaw& r, int q, int c, unsigned& lo, unsigned& hi, Scale& sc) {
+        lo = (r.w[2 * (c / 2)] >> (4 * (c % 2))) & 0x0F0F0F0Fu;
+        hi = (r.w[2 * (c / 2) + 1] >> (4 * (c % 2))) & 0x0F0F0F0Fu;
+        sc = scale(r.h, 4 * q + c);
     }
     __device__ static Scale scale(const uint4& h, int p) {  // h: the block's first 16 bytes
         const unsigned scm = scale_min_k4(p, h);
         return {__fmul_rn(half_to_float(h.x & 0xFFFFu), byte_minus(scm, 0, MAGIC_U_VALUE)),
                 __fmul_rn(half_to_float(h.x >> 16), byte_minus(scm, 1, MAGIC_U_VALUE))};
-    }
-    __device__ static Scale scale(const unsigned char* block, int p) {
-        return scale(*reinterpret_cast<const uint4*>(block), p);
     }
 };
 using FmtQ4_K = FmtK4<false>;
@@ -454,22 +465,35 @@ struct FmtQ6_K {
         return term({{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)), x.meta());
     }
     // Tensor cores: value 4t + i of piece p (half h, k as above) is ql[64h + 32 (k % 2) + 4t + i]'s nibble k / 2 and
-    // bits 2k, 2k + 1 of qh[32h + 4t + i]; the block is 2-byte aligned, so each word is two 16-bit loads.
+    // bits 2k, 2k + 1 of qh[32h + 4t + i]. Quad q = half h: the words at 4t and 16 + 4t of ql bytes 64h .. 64h+63
+    // and qh bytes 32h .. 32h+31, the half's 8 scales and d; the block is 2-byte aligned, so 16-bit loads.
     static constexpr bool MMA = true;
+    struct MmaRaw {
+        unsigned ql[4], qh[2], sc[2];  // ql[2j], ql[2j + 1]: k % 2 = j, values 4t.. and 16 + 4t..
+        unsigned short d;
+    };
     __device__ static unsigned word_a2(const unsigned char* q) {
         const unsigned short* h = reinterpret_cast<const unsigned short*>(q);
         return h[0] | (static_cast<unsigned>(h[1]) << 16);
     }
-    __device__ static void mma_words(const unsigned char* block, int p, int t, unsigned& lo, unsigned& hi) {
-        const int h = p / 4, k = p % 4;
-        const unsigned char* ql = block + 64 * h + 32 * (k % 2) + 4 * t;
-        const unsigned char* qh = block + 128 + 32 * h + 4 * t;
-        lo = ((word_a2(ql) >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((word_a2(qh) >> (2 * k)) & 0x03030303u) << 4);
-        hi = ((word_a2(ql + 16) >> (4 * (k / 2))) & 0x0F0F0F0Fu) | (((word_a2(qh + 16) >> (2 * k)) & 0x03030303u) << 4);
+    __device__ static MmaRaw mma_raw(const unsigned char* block, int q, int t) {
+        MmaRaw r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.ql[i] = word_a2(block + 64 * q + 16 * i + 4 * t);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            r.qh[i] = word_a2(block + 128 + 32 * q + 16 * i + 4 * t);
+            r.sc[i] = word_a2(block + 192 + 8 * q + 4 * i);
+        }
+        r.d = *reinterpret_cast<const unsigned short*>(block + 208);
+        return r;
     }
-    __device__ static Scale scale(const unsigned char* block, int p) {
-        const signed char* sc = reinterpret_cast<const signed char*>(block + 192 + 2 * p);
-        return {{sc[0], sc[1]}, half_to_float(*reinterpret_cast<const unsigned short*>(block + 208))};
+    __device__ static void mma_piece(const MmaRaw& r, int, int k, unsigned& lo, unsigned& hi, Scale& sc) {
+        const unsigned shift = 4 * (k / 2);
+        lo = ((r.ql[2 * (k % 2)] >> shift) & 0x0F0F0F0Fu) | (((r.qh[0] >> (2 * k)) & 0x03030303u) << 4);
+        hi = ((r.ql[2 * (k % 2) + 1] >> shift) & 0x0F0F0F0Fu) | (((r.qh[1] >> (2 * k)) & 0x03030303u) << 4);
+        const unsigned pair = r.sc[k / 2] >> (16 * (k % 2));  // scales 2k, 2k + 1 of the half
+        sc = {{static_cast<signed char>(pair & 0xFFu), static_cast<signed char>((pair >> 8) & 0xFFu)}, half_to_float(r.d)};
     }
 };
 

@@ -97,8 +97,8 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
-            if q.gemm == "mma" and f.mma:  # tensor cores: M-tiles of 8 and 16, 16 rows a block
-                assert [(t.mt, t.mma, t.rows_per_block()) for t in gemms] == [(8, True, 16), (16, True, 16)]
+            if q.gemm == "mma" and f.mma:  # tensor cores: M-tiles of 8, 16 rows a block
+                assert [(t.mt, t.mma, t.rows_per_block()) for t in gemms] == [(8, True, 16)]
             else:
                 assert [t.mt for t in gemms] == [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
                 assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)

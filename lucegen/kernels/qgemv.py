@@ -257,11 +257,11 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it take the GEMM on int8 tensor cores, in M-tiles of 8 and 16."""
+    that have it take the GEMM on int8 tensor cores, in M-tiles of 8."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     if q.gemm == "mma" and fmt.mma:
-        gemms = [Tuning(MMA_THREADS, 1, mt, 1, mma=True) for mt in (8, 16)]
+        gemms = [Tuning(MMA_THREADS, 1, 8, 1, mma=True)]  # (M-tiles of 16 spill Q6_K past 128 registers)
     else:
         gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
                  for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
