@@ -4,10 +4,9 @@
 // the first ROT dims (NEOX half split; cos / sin of the fp32 angle pos * inv_freq[i], taken in double so that they
 // are the correctly rounded values whatever the position), q to a [T][NH][HD] bf16 buffer, k and v into the KV cache
 // at the token's position.
-// attention_prefill, one block per (64 queries, head, range of key tiles): causal flash attention over the cache
-// [0, start + T) with mma.sync (bf16 operands, fp32 scores and accumulators), online softmax in fp32 with no T x T
-// matrix, then the output gate sigmoid(gate) and a bf16 store of the head's slice of the o_proj input. A query tile
-// with more key tiles than a range holds is split over blocks and merged in fp32 by the last of them (below).
+// attention_prefill, one block per (64 queries, head): causal flash attention over the cache [0, start + T) with
+// mma.sync (bf16 operands, fp32 scores and accumulators), online softmax in fp32 with no T x T matrix, then the
+// output gate sigmoid(gate) and a bf16 store of the head's slice of the o_proj input.
 //
 // Layouts: qkv [T][QW] bf16, a row = [q_0 gate_0 q_1 gate_1 ... (HD each) | k (NKV HD) | v (NKV HD)];
 // KV cache [context][NKV][HD] bf16 per layer (the reference State's order); query head h reads KV head h / GROUP.
@@ -96,19 +95,12 @@ constexpr int ATTN_BM = 64, ATTN_BN = 64, ATTN_THREADS = 128;  // queries per bl
 template <class S>
 constexpr int attention_smem() { return (ATTN_BM + 2 * ATTN_BN) * S::HD * 2; }
 
-// A block's running softmax state: warp w owns query rows 16w .. 16w+15; a thread holds rows g and g + 8 of them
-// (g = lane / 4; half 0 and 1), o unnormalised over the thread's columns 8 nt + 2 (lane % 4) (+1), m the running
-// maximum of the base-2 scaled scores, l the thread's part of the row sum (the quad's four parts add up to it).
+// Queries [q0, q0 + 64) of head h (absolute positions start + q0 ..) against keys [0, start + T) of its KV head.
+// Warp w owns query rows 16w .. 16w+15; a thread holds rows g and g + 8 of them (g = lane / 4).
 template <class S>
-struct AttnAcc {
-    float o[S::HD / 8][4], m[2], l[2];
-};
-
-// Queries [q0, q0 + 64) of head h (absolute positions start + q0 ..) against key tiles [j0, j1) of its KV head
-// (keys [64 j0, min(64 j1, start + T)), each query masked to the keys at or before its position).
-template <class S>
-__device__ void attention_keys(const bf16* __restrict__ Q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                               int T, int start, int q0, int h, int j0, int j1, unsigned char* smem, AttnAcc<S>& acc) {
+__device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                  const bf16* __restrict__ qkv, bf16* __restrict__ out, int T, int start, int q0,
+                                  int h, unsigned char* smem) {
     using QTile = SwizzledTile<ATTN_BM, S::HD>;
     using KTile = SwizzledTile<ATTN_BN, S::HD>;
     constexpr int NT = S::HD / 8, SN = ATTN_BN / 8;  // 8-column tiles of the output and of the scores
@@ -116,6 +108,8 @@ __device__ void attention_keys(const bf16* __restrict__ Q, const bf16* __restric
     const KTile ks{smem + QTile::BYTES}, vs{smem + QTile::BYTES + KTile::BYTES};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
     const int kvh = h / S::GROUP, kv_len = start + T;
+    const int keys = min(start + q0 + ATTN_BM, kv_len);  // the last query of the block sees keys [0, keys)
+    const int key_tiles = (keys + ATTN_BN - 1) / ATTN_BN;
     const size_t kv_ld = (size_t)S::NKV * S::HD;
     auto load_keys = [&](KTile tile, const bf16* cache, int j) {
         load_tile_async<ATTN_BN, S::HD, ATTN_THREADS>(tile, cache + (size_t)j * ATTN_BN * kv_ld + kvh * S::HD, kv_ld,
@@ -123,22 +117,15 @@ __device__ void attention_keys(const bf16* __restrict__ Q, const bf16* __restric
     };
     load_tile_async<ATTN_BM, S::HD, ATTN_THREADS>(qs, Q + ((size_t)q0 * S::NH + h) * S::HD, (size_t)S::NH * S::HD,
                                                   T - q0);
-    load_keys(ks, kc, j0);
+    load_keys(ks, kc, 0);
     cp_async_commit();
 
     const float scale = 1.4426950408889634f * rsqrtf(float(S::HD));  // log2(e) / sqrt(HD): softmax in base 2
     const float neg_inf = -__int_as_float(0x7f800000);
-    float (&o)[NT][4] = acc.o;
-    float* m = acc.m;
-    float* l = acc.l;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
-    m[0] = m[1] = neg_inf, l[0] = l[1] = 0.f;
+    float o[NT][4] = {}, m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f};
     const int row_pos = start + q0 + 16 * warp + gq;  // position of row g; row g + 8 is 8 further
 #pragma unroll 1
-    for (int j = j0; j < j1; ++j) {
+    for (int j = 0; j < key_tiles; ++j) {
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) have landed; every warp is done with V_{j-1}
         load_keys(vs, vc, j);
@@ -194,7 +181,7 @@ __device__ void attention_keys(const bf16* __restrict__ Q, const bf16* __restric
 
         cp_async_wait<0>();
         __syncthreads();  // V_j has landed; every warp is done with K_j
-        if (j + 1 < j1) load_keys(ks, kc, j + 1);
+        if (j + 1 < key_tiles) load_keys(ks, kc, j + 1);
         cp_async_commit();
 #pragma unroll
         for (int kt = 0; kt < ATTN_BN / 16; ++kt) {  // O += P V, P from the score registers as bf16 A fragments
@@ -211,150 +198,26 @@ __device__ void attention_keys(const bf16* __restrict__ Q, const bf16* __restric
         }
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // the whole row sums, in every lane of the quad
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    }
-}
 
-// out = O / l * sigmoid(gate), bf16, for the block's valid rows (acc of every key of the rows).
-template <class S>
-__device__ void attention_store_gated(const AttnAcc<S>& acc, const bf16* __restrict__ qkv, bf16* __restrict__ out,
-                                      int T, int q0, int h) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    // out = O / l * sigmoid(gate), bf16
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+        float sum = l[half];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const int t = q0 + 16 * warp + gq + 8 * half;
         if (t >= T) continue;
-        const float inv = 1.f / acc.l[half];
+        const float inv = 1.f / sum;
         const bf16* gate = qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD;
         bf16* y = out + ((size_t)t * S::NH + h) * S::HD;
 #pragma unroll
-        for (int nt = 0; nt < S::HD / 8; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
             const int d = 8 * nt + 2 * tq;
             const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + d));
             *reinterpret_cast<__nv_bfloat162*>(y + d) = __floats2bfloat162_rn(
-                acc.o[nt][2 * half] * inv * sigmoid(gv.x), acc.o[nt][2 * half + 1] * inv * sigmoid(gv.y));
+                o[nt][2 * half] * inv * sigmoid(gv.x), o[nt][2 * half + 1] * inv * sigmoid(gv.y));
         }
     }
-}
-
-// ---- split key ranges ----------------------------------------------------------------------------------------
-//
-// A query tile with many key tiles is split into ranges of at most `split` key tiles, each a block of its own
-// (grid x counts every (tile, range); the tiles with the most keys first), so that a short prompt's few query tiles
-// still fill the chip. The blocks of a split tile write their unnormalised O, m and l (fp32) to a partial slot;
-// the last of them to finish (a ticket per (split tile, head), reset by that block) merges the ranges:
-// M = max m_s, O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s, and writes the gated output.
-
-struct AttnWork {
-    int tile, range, ranges;  // query tile, its key range, and how many ranges the tile has
-    int slot, ticket;         // the tile's first partial slot and its ticket (split tiles only)
-};
-
-// Block b's work: tiles from the last (the most keys) down, each in ceil(key tiles / split) ranges.
-__device__ __forceinline__ AttnWork attention_work(int b, int T, int start, int split) {
-    AttnWork w{(T + ATTN_BM - 1) / ATTN_BM - 1, 0, 1, 0, 0};
-    for (;; --w.tile) {
-        const int keys = min(start + (w.tile + 1) * ATTN_BM, start + T);
-        w.ranges = ((keys + ATTN_BN - 1) / ATTN_BN + split - 1) / split;
-        if (b < w.ranges || w.tile == 0) break;
-        b -= w.ranges;
-        if (w.ranges > 1) w.slot += w.ranges, ++w.ticket;
-    }
-    w.range = b;
-    return w;
-}
-
-// Partial slot p of head h: o [64][HD] then (m, l) [64][2], all fp32.
-template <class S>
-__device__ __forceinline__ float* attention_partial(float* part, int slot, int h) {
-    return part + (size_t)(slot * S::NH + h) * ATTN_BM * (S::HD + 2);
-}
-
-template <class S>
-__device__ void attention_store_partial(const AttnAcc<S>& acc, float* __restrict__ part) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = 16 * warp + gq + 8 * half;
-#pragma unroll
-        for (int nt = 0; nt < S::HD / 8; ++nt)
-            __stcg(reinterpret_cast<float2*>(part + r * S::HD + 8 * nt + 2 * tq),
-                   make_float2(acc.o[nt][2 * half], acc.o[nt][2 * half + 1]));
-        if (tq == 0)
-            __stcg(reinterpret_cast<float2*>(part + ATTN_BM * S::HD + 2 * r), make_float2(acc.m[half], acc.l[half]));
-    }
-}
-
-// The merge of a split tile's `ranges` partial slots from `part0` (slot stride NH * 64 * (HD + 2) floats): warp w
-// rows w, w + 4, ...; lanes over float4 columns. Loads bypass L1 (the slots were written by other blocks).
-template <class S>
-__device__ void attention_merge(const float* __restrict__ part0, int ranges, const bf16* __restrict__ qkv,
-                                bf16* __restrict__ out, int T, int q0, int h) {
-    constexpr size_t SLOT = (size_t)S::NH * ATTN_BM * (S::HD + 2);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < ATTN_BM; r += ATTN_THREADS / 32) {
-        const int t = q0 + r;
-        if (t >= T) break;
-        float mmax = -__int_as_float(0x7f800000);
-        for (int s = 0; s < ranges; ++s) mmax = fmaxf(mmax, __ldcg(part0 + s * SLOT + ATTN_BM * S::HD + 2 * r));
-        float lsum = 0.f;  // every row sees key 0 in range 0: mmax is finite
-        for (int s = 0; s < ranges; ++s) {
-            const float2 ml = __ldcg(reinterpret_cast<const float2*>(part0 + s * SLOT + ATTN_BM * S::HD + 2 * r));
-            lsum += ml.y * exp2f(ml.x - mmax);
-        }
-        const float inv = 1.f / lsum;
-        const bf16* gate = qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD;
-        bf16* y = out + ((size_t)t * S::NH + h) * S::HD;
-        for (int c = lane; c < S::HD / 4; c += 32) {
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s = 0; s < ranges; ++s) {
-                const float wgt = exp2f(__ldcg(part0 + s * SLOT + ATTN_BM * S::HD + 2 * r) - mmax);
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(part0 + s * SLOT + r * S::HD) + c);
-                acc.x = fmaf(wgt, v.x, acc.x), acc.y = fmaf(wgt, v.y, acc.y);
-                acc.z = fmaf(wgt, v.z, acc.z), acc.w = fmaf(wgt, v.w, acc.w);
-            }
-            const float2 g0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + 4 * c));
-            const float2 g1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + 4 * c + 2));
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x * inv * sigmoid(g0.x), acc.y * inv * sigmoid(g0.y));
-            const __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z * inv * sigmoid(g1.x), acc.w * inv * sigmoid(g1.y));
-            *reinterpret_cast<uint2*>(y + 4 * c) =
-                make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
-        }
-    }
-}
-
-// One block of the split causal attention: its key range of its query tile of head h, then the gated output (a
-// tile of one range) or its partial, and the merge if it is the tile's last range to finish.
-template <class S>
-__device__ void attention_prefill_split(const bf16* __restrict__ Q, const bf16* __restrict__ kc,
-                                        const bf16* __restrict__ vc, const bf16* __restrict__ qkv,
-                                        bf16* __restrict__ out, float* __restrict__ part, unsigned* __restrict__ tickets,
-                                        int T, int start, int split, int h, unsigned char* smem) {
-    const AttnWork w = attention_work(blockIdx.x, T, start, split);
-    const int q0 = w.tile * ATTN_BM, keys = min(start + q0 + ATTN_BM, start + T);
-    const int j0 = w.range * split, j1 = min(j0 + split, (keys + ATTN_BN - 1) / ATTN_BN);
-    AttnAcc<S> acc;
-    attention_keys<S>(Q, kc, vc, T, start, q0, h, j0, j1, smem, acc);
-    if (w.ranges == 1) {
-        attention_store_gated<S>(acc, qkv, out, T, q0, h);
-        return;
-    }
-    attention_store_partial<S>(acc, attention_partial<S>(part, w.slot + w.range, h));
-    __threadfence();  // the partial is visible device-wide before the ticket counts it
-    __syncthreads();
-    __shared__ unsigned last;
-    if (threadIdx.x == 0) {
-        unsigned* ticket = tickets + w.ticket * S::NH + h;
-        last = atomicAdd(ticket, 1u) == (unsigned)w.ranges - 1;
-        if (last) *ticket = 0;  // every range has counted: ready for the next launch
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    attention_merge<S>(attention_partial<S>(part, w.slot, h), w.ranges, qkv, out, T, q0, h);
 }
 
 }  // namespace lucegen

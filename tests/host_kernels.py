@@ -196,7 +196,7 @@ class HostKernel:
             store(k_cache.a[start:start + T], rk)
             store(v_cache.a[start:start + T], rv)
         elif name == "attention_prefill_causal":
-            q, k_cache, v_cache, qkv, out, _, _, T, start, _ = args
+            q, k_cache, v_cache, qkv, out, T, start = args
             _, gate, _, _ = attention.split_qkv(c, qkv.a[:T])
             ref = attention.reference(c, q.a[:T], k_cache.a[:start + T], v_cache.a[:start + T], gate)
             store(rows_of(out, T, c.num_attention_heads * c.head_dim), ref)

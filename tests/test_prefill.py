@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lucegen.codegen.build import build
 from lucegen.engine.prefill import shape_problem, units
-from lucegen.kernels import attention, conv1d, gdn, gemm
+from lucegen.kernels import conv1d, gdn, gemm
 from lucegen.kernels.megakernel import pack_layer_tensor
 from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import random_weights
@@ -267,49 +267,3 @@ def test_conv_reference_on_a_ring_continues_like_the_layer(t1, t2, seed):
     whole, state = causal_conv1d(mixed[:, :C], conv_w, np.zeros((3, C), np.float32))
     assert np.allclose(np.concatenate([first[0], second[0]]), silu(whole), rtol=1e-6, atol=1e-6)
     assert np.array_equal(conv1d.ring_to_state(second[3], t1 + t2), state)
-
-
-def attention_work(b: int, T: int, start: int, split: int) -> tuple[int, int, int, int, int]:
-    """attention_work of attention_prefill.cuh: block b's (tile, range, ranges, first partial slot, ticket)."""
-    tile, slot, ticket = math.ceil(T / attention.BM) - 1, 0, 0
-    while True:
-        ranges = math.ceil(math.ceil(min(start + (tile + 1) * attention.BM, start + T) / attention.BN) / split)
-        if b < ranges or tile == 0:
-            return tile, b, ranges, slot, ticket
-        b -= ranges
-        if ranges > 1:
-            slot, ticket = slot + ranges, ticket + 1
-        tile -= 1
-
-
-@pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
-@settings(max_examples=200, deadline=None)
-@given(T=st.one_of(st.sampled_from([1, 64, 65, 520, 4096, 8192]), st.integers(1, 9000)),
-       start=st.one_of(st.sampled_from([0, 1, 64, 1000]), st.integers(0, 300_000)),
-       sms=st.sampled_from([46, 82, 108, 132, 170]))
-def test_attention_key_ranges_cover_every_key_once_within_the_partial_slots(model, T, start, sms):
-    """The blocks of attention.key_split, numbered as the kernel numbers them, take every key tile of every query
-    tile exactly once, longest tiles first; split tiles' slots and tickets are distinct and within what
-    attention.Attention allocates for any T and start; the real models' prompts of thousands of tokens
-    split nothing on up to 132 SMs."""
-    cfg = TINY if model == "tiny" else REAL[model == "27b"]
-    split, blocks, slots, tickets = attention.key_split(cfg, sms, T, start)
-    assert split >= attention.MIN_SPLIT
-    assert slots <= attention.partial_slots(cfg, sms) and tickets <= attention.partial_slots(cfg, sms)
-    seen, used_slots, used_tickets = {}, set(), set()
-    for b in range(blocks):
-        tile, r, ranges, slot, ticket = attention_work(b, T, start, split)
-        kt = math.ceil(min(start + (tile + 1) * attention.BM, start + T) / attention.BN)
-        assert 0 <= r < ranges == math.ceil(kt / split)
-        seen.setdefault(tile, []).append(range(r * split, min(r * split + split, kt)))
-        if ranges > 1:
-            used_slots.add(slot + r)
-            used_tickets.add(ticket)
-            assert slot + r < slots and ticket < tickets
-    assert sorted(seen) == list(range(math.ceil(T / attention.BM)))
-    for tile, rs in seen.items():
-        kt = math.ceil(min(start + (tile + 1) * attention.BM, start + T) / attention.BN)
-        assert sorted(j for r in rs for j in r) == list(range(kt))
-    assert len(used_slots) == slots and len(used_tickets) == tickets
-    if T >= 4096 and model != "tiny" and sms <= 132:  # (tiny has 4 heads)
-        assert slots == 0

@@ -68,7 +68,7 @@ class Prefill:
             self.conv = conv1d.Conv1dGates(modules["prefill_conv1d.cu.j2"], cfg)
             self.gdn = gdn.ChunkedDeltaRule(modules["prefill_gdn.cu.j2"], spec, cfg)
         if cfg.full_layers:
-            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg, spec)
+            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg)
         self._allocate(self.chunk)
 
     def _allocate(self, n: int) -> None:
@@ -148,6 +148,4 @@ class Prefill:
                 getattr(self, name).free()
         if hasattr(self, "scratch"):
             self.scratch.free()
-        if hasattr(self, "attn"):
-            self.attn.free()
         self.gemm.free()  # split-K's workspace and tile counters

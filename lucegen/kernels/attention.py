@@ -4,10 +4,6 @@ KV-cache write (prep), and causal flash attention with the sigmoid output gate: 
 qkv rows are [q_0 gate_0 ... q_{nh-1} gate_{nh-1} | k | v] (q_proj's per-head [query | gate] rows, then k_proj and
 v_proj); the KV cache of a layer is [context, n_kv, head_dim] bf16 (lucegen.engine.state). Queries at absolute
 positions start .. start+T-1 attend to the cache [0, start+T), so a prompt continues a cached sequence.
-
-The attention kernel's blocks are (query tile of 64, head, range of key tiles): key_split picks the range so that
-a short prompt's few query tiles still give about two blocks per SM (0.8B at T = 520: 9 tiles x 8 heads = 72 blocks,
-the longest walking 9 key tiles, became 200 blocks of at most 2); the ranges of a split tile are merged in fp32.
 """
 from __future__ import annotations
 
@@ -25,8 +21,6 @@ from ..spec import ChipSpec
 BM = 64       # queries per block
 BN = 64       # keys per tile
 THREADS = 128
-MIN_SPLIT = 2  # key tiles a block takes at least: a split tile's blocks each write a 64 x head_dim fp32 partial
-BLOCKS_PER_SM = 2  # the attention blocks an SM holds (98 KB of shared memory each on head_dim 256)
 
 
 def split_qkv(cfg: ModelConfig, qkv: np.ndarray):
@@ -56,23 +50,6 @@ def reference(cfg: ModelConfig, q: np.ndarray, keys: np.ndarray, values: np.ndar
     o = causal_attention(q.astype(np.float32), keys.astype(np.float32), values.astype(np.float32),
                          cfg.head_dim ** -0.5)
     return o.reshape(T, -1) * sigmoid(gate.astype(np.float32))
-
-
-def key_split(cfg: ModelConfig, sm_count: int, T: int, start: int) -> tuple[int, int, int, int]:
-    """(key tiles a block takes at most, blocks per head, partial slots, tickets) of the attention over T queries at
-    positions start ..: the range is the smallest (>= MIN_SPLIT) that gives about BLOCKS_PER_SM blocks an SM for
-    all heads, so long prompts split nothing. The kernel numbers the (tile, range) pairs the same way
-    (attention_work in attention_prefill.cuh). Partial slots < 2 * BLOCKS_PER_SM * sm_count / heads (a tile of
-    n > split key tiles has ceil(n / split) < 2 n / split ranges) and tickets half that, whatever T and start."""
-    kts = [math.ceil(min(start + (i + 1) * BM, start + T) / BN) for i in range(math.ceil(T / BM))]
-    split = max(MIN_SPLIT, math.ceil(cfg.num_attention_heads * sum(kts) / (BLOCKS_PER_SM * sm_count)))
-    ranges = [math.ceil(kt / split) for kt in kts]
-    return split, sum(ranges), sum(r for r in ranges if r > 1), sum(1 for r in ranges if r > 1)
-
-
-def partial_slots(cfg: ModelConfig, sm_count: int) -> int:
-    """Partial slots (per head) the attention may use for any T and start (key_split's bound)."""
-    return math.ceil(2 * BLOCKS_PER_SM * sm_count / cfg.num_attention_heads)
 
 
 def smem(cfg: ModelConfig) -> int:
@@ -107,15 +84,10 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
 
 
 class Attention:
-    """prep(qkv, norms, q out, the layer's K/V cache, start) then attend(q, caches, qkv (gate), out, T, start).
-    Holds the split key ranges' partial results (fp32, partial_slots x heads x 64 x (head_dim + 2)) and tickets
-    (partial_slots x heads)."""
+    """prep(qkv, norms, q out, the layer's K/V cache, start) then attend(q, caches, qkv (gate), out, T, start)."""
 
-    def __init__(self, module, cfg: ModelConfig, spec: ChipSpec):
-        self.cfg, self.sm_count = cfg, spec.chip.sm_count
-        self.slots = partial_slots(cfg, self.sm_count)
-        self.part = DeviceArray.empty((self.slots, cfg.num_attention_heads, BM, cfg.head_dim + 2), np.float32)
-        self.tickets = DeviceArray.zeros((self.slots, cfg.num_attention_heads), np.uint32)
+    def __init__(self, module, cfg: ModelConfig):
+        self.cfg = cfg
         self._prep, self._attend = module.kernel("attention_prep_tokens"), module.kernel("attention_prefill_causal")
         self.smem = smem(cfg)
         if self.smem > 48 * 1024:
@@ -127,11 +99,5 @@ class Attention:
                    start, stream=stream)
 
     def attend(self, q, k_cache, v_cache, qkv, out, T: int, start: int, stream=None) -> None:
-        split, blocks, slots, tickets = key_split(self.cfg, self.sm_count, T, start)
-        assert slots <= self.slots and tickets <= self.slots, (T, start, slots, tickets)
-        self._attend((blocks, self.cfg.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out, self.part,
-                     self.tickets, T, start, split, smem=self.smem, stream=stream)
-
-    def free(self) -> None:
-        for a in (self.part, self.tickets, self.inv_freq):
-            a.free()
+        self._attend((math.ceil(T / BM), self.cfg.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out, T,
+                     start, smem=self.smem, stream=stream)
