@@ -117,7 +117,8 @@ GEMM_METHODS = ("mma", "wgmma")
 class PrefillTuning:
     chunk_tokens: int = 8192  # prompt tokens per pass through the layers (their activations must fit memory)
     gemm: str = "mma"         # mma: mma.sync + cp.async (sm_80+); wgmma: TMA + warpgroup MMA (sm_90a, Hopper only)
-    split_k: int = 1          # most slices of K for a residual-add GEMM with fewer tiles than SMs, added atomically;
+    split_k: int = 1          # most slices of K for a residual-add GEMM with fewer tiles than SMs, their partial tiles
+                              # added in slice order (deterministic, but the grouping depends on the prompt's length);
                               # 1: none, and every sum of the prefill is the same however the prompt is chunked
 
 
