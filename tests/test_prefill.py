@@ -107,7 +107,7 @@ def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_
         c = gemm.choose(h200, 520, 1024, k, "add")
         assert gemm.splits(h200, c, 520, 1024, k, "add") > 1
         assert gemm.splits(h200, c, 520, 1024, k, "bf16") == 1
-        assert gemm.splits(load_spec("h200"), c, 520, 1024, k, "add") == 1  # the spec's default: no split
+        assert gemm.splits(h200.with_prefill(split_k=1), c, 520, 1024, k, "add") == 1  # split_k 1: no split
     big = gemm.choose(h200, 4096, 5120, 17408, "add")
     assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
 
@@ -177,7 +177,7 @@ def test_the_gemm_launcher_hands_split_launches_its_workspace(monkeypatch):
                 y = HostArray.from_numpy(y0)
                 op(HostArray.from_numpy(x), HostArray.from_numpy(w), y, 520, 1024, k, "add")
                 assert np.array_equal(y.numpy(), ref) and not op.counters.numpy().any()
-    assert gemm.workspace(load_spec("h200")) == (0, 0)  # no split-K: no workspace
+    assert gemm.workspace(load_spec("h200").with_prefill(split_k=1)) == (0, 0)  # no split-K: no workspace
 
 
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
