@@ -8,24 +8,15 @@
 // k tile later: the wgmma of two k tiles overlap). Blocks take their tile and slice of K from gemm_block_work; the
 // consumers of a split-K block store their partial tile and the tile's last block adds the slices with gemm.cuh's
 // split_k_add (named barrier 1: the producer warpgroup has left by then).
-//
-// Multicast (MULTICAST = C > 1): blocks form clusters of C along M, the C row tiles of one column tile, and W's tile,
-// which all of them read, comes from L2 once: the cluster's rank-0 producer loads it into the same stage of every
-// block of the cluster with one multicast TMA load, each block's producer loading only its own X tile. Rank 0 then
-// refills a stage only when the consumers of all C blocks have handed it back (they arrive on its `empty` barrier,
-// remotely from the other blocks), and its producer stays until the last stages are handed back, so no block
-// arrives on the barrier of a block that has left. Row tiles are padded to a multiple of C (blocks past M read zeros
-// and store nothing). At M = 520 with 64-row tiles (9 row tiles, C = 3) this cuts the L2 -> SM operand traffic of
-// the GEMM from 9 |W| + tiles_n |X| to 3 |W| + tiles_n |X|: the small tile was bound by it (~300 TFLOP/s).
 #pragma once
 #include "gemm.cuh"
 #include "wgmma.cuh"
 
 namespace lucegen {
 
-template <int CONSUMERS_, int NT_, int STAGES_, int MULTICAST_ = 1>
+template <int CONSUMERS_, int NT_, int STAGES_>
 struct WgmmaShape {
-    static constexpr int CONSUMERS = CONSUMERS_, NT = NT_, STAGES = STAGES_, MULTICAST = MULTICAST_;
+    static constexpr int CONSUMERS = CONSUMERS_, NT = NT_, STAGES = STAGES_;
     static constexpr int BM = 64 * CONSUMERS, BN = 128 * NT, BK = 64, GROUP_M = 8;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
@@ -35,81 +26,27 @@ struct WgmmaShape {
     // CONSUMERS x CONSUMER_REGS) <= 64K)
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static_assert(STAGES >= 2 && NT >= 1 && CONSUMERS >= 1, "wgmma GEMM tile shape");
-    static_assert(MULTICAST >= 1 && MULTICAST <= 8, "wgmma GEMM cluster (portable cluster sizes: <= 8)");
 };
 
-// ---- clusters ---------------------------------------------------------------------------------------------------
-
-// All threads of all blocks of the cluster (release / acquire: what each did before is visible to all after).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// One arrival on the mbarrier at the same shared-memory offset as `bar` in the cluster's block of rank `rank`.
-__device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsigned rank) {
-    asm volatile(
-        "{\n"
-        ".reg .b32 remote;\n"
-        "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-        "}\n" ::"r"(shared_addr(bar)),
-        "r"(rank)
-        : "memory");
-}
-
-// tma_load_2d into the same shared-memory offset of every block of the cluster whose rank is set in `ranks`, each
-// block's barrier at `bar`'s offset counting the box's bytes.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TensorMap& map, int col, int row,
-                                                      unsigned long long* bar, unsigned short ranks) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_addr(dst)),
-        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(shared_addr(bar)), "h"(ranks)
-        : "memory");
-}
-
-// A block's work with clusters of MULTICAST blocks along M: cluster q of a slice takes column tile q / groups and the
-// row tiles of group q % groups (groups of MULTICAST row tiles, the last padded), rank r (= blockIdx.x % MULTICAST,
-// the block's rank in its cluster) row tile r of the group; slices of K as gemm_block_work's.
-template <class S>
-__device__ __forceinline__ GemmWork gemm_cluster_work(int M, int N, int K) {
-    constexpr int C = S::MULTICAST;
-    const int groups = ((M + S::BM - 1) / S::BM + C - 1) / C, tiles_n = (N + S::BN - 1) / S::BN;
-    const int tiles = groups * C * tiles_n;
-    const int block = blockIdx.x % tiles, split = blockIdx.x / tiles, splits = gridDim.x / tiles;
-    const int cluster = block / C, kt_all = K / S::BK, kt0 = split * kt_all / splits;
-    return {cluster % groups * C + block % C, cluster / groups, kt0, (split + 1) * kt_all / splits - kt0, block, tiles,
-            split, splits};
-}
-
 // One block's BM x BN tile of Y = X W^T; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with
-// boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with splits * tiles blocks of S::THREADS threads
-// and S::SMEM bytes of dynamic shared memory, tiles = ceil(M/BM) * ceil(N/BN) (with MULTICAST > 1: ceil(M/BM)
-// rounded up to a multiple of MULTICAST, and the kernel declared with __cluster_dims__(MULTICAST, 1, 1)).
-// MAX_SPLITS: see split_k_add.
+// boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with splits * ceil(M/BM) * ceil(N/BN) blocks of
+// S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
 template <class S, class Epilogue, int MAX_SPLITS = 1>
 __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int M, int N, int K,
                               const Epilogue& epilogue, unsigned char* smem_raw) {
     unsigned char* smem = smem_raw + ((1024 - shared_addr(smem_raw) % 1024) % 1024);
     auto* full = reinterpret_cast<unsigned long long*>(smem + S::STAGES * S::STAGE);
     auto* empty = full + S::STAGES;
-    constexpr bool MULTI = S::MULTICAST > 1;
-    const GemmWork work = MULTI ? gemm_cluster_work<S>(M, N, K) : gemm_block_work<S>(M, N, K);
+    const GemmWork work = gemm_block_work<S>(M, N, K);
     const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles, warpgroup = threadIdx.x / 128;
-    const unsigned rank = MULTI ? blockIdx.x % S::MULTICAST : 0;  // in the cluster; rank 0 loads W for all of it
     if (threadIdx.x == 0) {
         for (int s = 0; s < S::STAGES; ++s) {
             mbar_init(&full[s], 1);
-            // lane 0 of every consumer warp (rank 0 of a cluster: of every block of the cluster)
-            mbar_init(&empty[s], S::CONSUMERS * 4 * (rank == 0 ? S::MULTICAST : 1));
+            mbar_init(&empty[s], S::CONSUMERS * 4);  // lane 0 of every consumer warp
         }
         fence_barrier_init();
     }
-    if constexpr (MULTI) {
-        cluster_sync();  // every block's barriers are initialised before any multicast or remote arrival
-    } else {
-        __syncthreads();
-    }
+    __syncthreads();
 
     if (warpgroup == 0) {  // the producer
         if constexpr (S::CONSUMERS > 1) regs_dealloc<S::PRODUCER_REGS>();
@@ -120,26 +57,11 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
                 unsigned char* stage = smem + s * S::STAGE;
                 mbar_expect_tx(&full[s], S::STAGE);
                 tma_load_2d(stage, xmap, (work.kt0 + kt) * S::BK, m0, &full[s]);
-                if constexpr (!MULTI) {
-                    tma_load_2d(stage + S::A_BYTES, wmap, (work.kt0 + kt) * S::BK, n0, &full[s]);
-                } else if (rank == 0) {
-                    tma_load_2d_multicast(stage + S::A_BYTES, wmap, (work.kt0 + kt) * S::BK, n0, &full[s],
-                                          (1u << S::MULTICAST) - 1);
-                }
+                tma_load_2d(stage + S::A_BYTES, wmap, (work.kt0 + kt) * S::BK, n0, &full[s]);
             }
-            if (MULTI && rank == 0)  // stay until every block of the cluster has handed back its last stages
-                for (int kt = k_tiles < S::STAGES ? 0 : k_tiles - S::STAGES; kt < k_tiles; ++kt)
-                    mbar_wait(&empty[kt % S::STAGES], (kt / S::STAGES) & 1);
         }
         return;
     }
-    // a consumer warp hands k tile j's stage back to its producer (and to the cluster's rank 0, which loads its W)
-    auto release = [&](int j) {
-        if (threadIdx.x % 32 == 0) {
-            mbar_arrive(&empty[j % S::STAGES]);
-            if (MULTI && rank != 0) mbar_arrive_remote(&empty[j % S::STAGES], 0);
-        }
-    };
 
     if constexpr (S::CONSUMERS > 1) regs_alloc<S::CONSUMER_REGS>();
     const int c = warpgroup - 1;
@@ -164,10 +86,9 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
 #pragma unroll
         for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
         wgmma_wait<1>();  // the wgmma of k tile kt - 1 have completed: its stage can be refilled
-        if (kt > 0) release(kt - 1);
+        if (kt > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(kt - 1) % S::STAGES]);
     }
     wgmma_wait<0>();
-    if (MULTI) release(k_tiles - 1);  // the last stage too, which rank 0's producer waits for before it leaves
 #pragma unroll
     for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
     const int row = c * 64 + threadIdx.x % 128 / 32 * 16;  // this warp's 16 rows of the warpgroup's 64

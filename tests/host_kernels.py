@@ -85,28 +85,26 @@ def store(dst: np.ndarray, value) -> None:
 
 # ---- the GEMM's split-K, block by block ------------------------------------------------------------------------
 
-def gemm_kernel_config(name: str) -> tuple[int, int, int, str]:
-    """(BM, BN, multicast, epilogue) of a GEMM kernel's name, gemm_[wg]<BM>x<BN>[_m<multicast>]_<epilogue>."""
-    bm, bn, multicast, epilogue = re.fullmatch(r"gemm_(?:wg)?(\d+)x(\d+)(?:_m(\d+))?_(\w+)", name).groups()
-    return int(bm), int(bn), int(multicast or 1), epilogue
+def gemm_kernel_config(name: str) -> tuple[int, int, str]:
+    """(BM, BN, epilogue) of a GEMM kernel's name, gemm_[wg]<BM>x<BN>_<epilogue>."""
+    shape, epilogue = re.fullmatch(r"gemm_(?:wg)?(\d+x\d+)_(\w+)", name).groups()
+    bm, bn = map(int, shape.split("x"))
+    return bm, bn, epilogue
 
 
-def gemm_tiles(m: int, n: int, bm: int, bn: int, multicast: int = 1) -> int:
-    """Blocks of one slice of K (gemm.TileConfig.tiles)."""
-    return math.ceil(math.ceil(m / bm) / multicast) * multicast * math.ceil(n / bn)
+def gemm_tiles(m: int, n: int, bm: int, bn: int) -> int:
+    return math.ceil(m / bm) * math.ceil(n / bn)
 
 
 def split_add(x, w, y, bm: int, bn: int, splits: int, partials: np.ndarray, counters: np.ndarray,
-              blocks, multicast: int = 1) -> None:
+              blocks) -> None:
     """The split-K `add` kernel (gemm.cuh's split_k_add) block by block, the blocks b = split * tiles + tile running
     one after another in the order `blocks`: each stores its partial tile (the fp32 sum over its slice of K) in its
     slot of `partials` and counts itself in on its tile's counter; the one that brings the count to `splits` zeroes
-    the counter and adds the tile's slots into y in slice order. y (fp32) is updated in place; x [M, K], w [N, K].
-    (Tiles are numbered row-major here, the kernel's own order aside; with multicast, row tiles past M pad the last
-    cluster: they count in like the others and add nothing.)"""
+    the counter and adds the tile's slots into y in slice order. y (fp32) is updated in place; x [M, K], w [N, K]."""
     (M, K), N = x.shape, w.shape[0]
     tiles_n = math.ceil(N / bn)
-    tiles = gemm_tiles(M, N, bm, bn, multicast)
+    tiles = gemm_tiles(M, N, bm, bn)
     xf, wf = x.astype(np.float32), w.astype(np.float32)
     part = [xf[:, k0:k1] @ wf[:, k0:k1].T for k0, k1 in gemm.slices(K, splits)]  # gemm.reference's products
     slots = partials.reshape(-1)[:splits * tiles * bm * bn].reshape(splits, tiles, bm, bn)
@@ -153,14 +151,13 @@ class HostKernel:
         grid = (grid,) if isinstance(grid, int) else grid
         if name.startswith("gemm_"):
             X, W, Y, M, N, K, *workspace = args
-            bm, bn, multicast, epilogue = gemm_kernel_config(name)
+            bm, bn, epilogue = gemm_kernel_config(name)
             y = rows_of(Y, M, N // 2 if epilogue == "silu" else N)
             x, w = rows_of(X, M, K), W.a.reshape(N, K)
             if epilogue == gemm.SPLIT_ADD:  # the blocks in an order of their own, as a GPU may finish them
                 blocks = np.random.default_rng(self.module.launches).permutation(grid[0])
                 self.module.launches += 1
-                split_add(x, w, y, bm, bn, grid[0] // gemm_tiles(M, N, bm, bn, multicast), *(a.a for a in workspace),
-                          blocks, multicast)
+                split_add(x, w, y, bm, bn, grid[0] // gemm_tiles(M, N, bm, bn), *(a.a for a in workspace), blocks)
             else:
                 store(y, gemm.reference(x, w, epilogue, y.astype(np.float32)))
         elif name.startswith("embed_h"):

@@ -4,13 +4,12 @@ configurations fit each chip, and the host-side layouts (fused weights, conv rin
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from lucegen.codegen.build import build
 from lucegen.engine.prefill import shape_problem, units
@@ -49,7 +48,7 @@ def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
     test_prefill_kernels_compile_for_the_test_model covers the selected one."""
     result = build(spec, TINY, gemm.units(spec), root=tmp_path)
     reports = {k.name: k for k in result.kernels}
-    configs = {gemm.kernel_name(c, e): c for c in gemm.compiled_configs(spec) for e in gemm.KERNEL_EPILOGUES}
+    configs = {gemm.kernel_name(c, e): c for c in gemm.tile_configs(spec) for e in gemm.KERNEL_EPILOGUES}
     assert reports.keys() == configs.keys()
     for name, c in configs.items():
         k = reports[name]
@@ -140,23 +139,23 @@ def test_split_k_reference_sums_the_slices_in_slice_order_then_adds_once(splits)
         assert not np.array_equal(ref, y0 + fold(None, [parts[i] for i in order])), f"slices summed in order {order}"
 
 
-@pytest.mark.parametrize("bm, bn, multicast", [(64, 128, 1), (128, 256, 1), (64, 128, 3)])
+@pytest.mark.parametrize("bm, bn", [(64, 128), (128, 256)])
 @given(m=st.integers(1, 300), n2=st.integers(1, 300), splits=st.integers(2, 5), seed=st.integers(0, 2**16))
 @settings(max_examples=25, deadline=None)
-def test_split_k_blocks_finishing_in_any_order_give_the_reference_bits(bm, bn, multicast, m, n2, splits, seed):
+def test_split_k_blocks_finishing_in_any_order_give_the_reference_bits(bm, bn, m, n2, splits, seed):
     """host_kernels.split_add, the split kernel block by block (partials to slots, the tile's counter, the last block
     adding the slots in slice order): whatever order the blocks finish in, y is gemm.reference(..., splits) bit for
-    bit and every counter is back at zero for the next launch (with multicast: padded row tiles too)."""
+    bit and every counter is back at zero for the next launch."""
     n, k = 2 * n2, 64 * gemm.MIN_SLICE * splits
     x, w, y0 = order_sensitive_gemm(m, n, k, splits, seed)
-    tiles = gemm_tiles(m, n, bm, bn, multicast)
+    tiles = gemm_tiles(m, n, bm, bn)
     ref = gemm.reference(x, w, "add", y0, splits=splits)
     partials = np.full(splits * tiles * bm * bn, np.nan, np.float32)
     counters = np.zeros(tiles + 3, np.uint32)
     rng = np.random.default_rng(seed)
     for blocks in (np.arange(splits * tiles), np.arange(splits * tiles)[::-1], rng.permutation(splits * tiles)):
         y = y0.copy()
-        split_add(x, w, y, bm, bn, splits, partials, counters, blocks, multicast)
+        split_add(x, w, y, bm, bn, splits, partials, counters, blocks)
         assert np.array_equal(y, ref) and not counters.any()
 
 
@@ -178,42 +177,6 @@ def test_the_gemm_launcher_hands_split_launches_its_workspace(monkeypatch):
                 op(HostArray.from_numpy(x), HostArray.from_numpy(w), y, 520, 1024, k, "add")
                 assert np.array_equal(y.numpy(), ref) and not op.counters.numpy().any()
     assert gemm.workspace(load_spec("h200").with_prefill(split_k=1)) == (0, 0)  # no split-K: no workspace
-
-
-@pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
-                                  for sk in (1, 4)],
-                         ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}-split{s.tuning.prefill.split_k}")
-@given(m=st.integers(1, 8192), n2=st.integers(1, 9000), kt=st.integers(1, 300),
-       epilogue=st.sampled_from(list(gemm.EPILOGUES)))
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_multicast_takes_the_small_tile_in_the_cluster_that_pads_least(monkeypatch, spec, m, n2, kt, epilogue):
-    """With gemm.MULTICAST (wgmma only), a shape the small tile would take runs in clusters of 2 or 3 blocks along
-    M, the row tiles padded to whole clusters (the fewest padded, then the larger cluster); nothing else changes."""
-    n, k = 2 * n2, kt * gemm.BK
-    monkeypatch.setattr(gemm, "MULTICAST", False)
-    plain = gemm.choose(spec, m, n, k, epilogue)
-    monkeypatch.setattr(gemm, "MULTICAST", True)
-    c = gemm.choose(spec, m, n, k, epilogue)
-    rows = math.ceil(m / plain.bm)
-    if spec.tuning.prefill.gemm != "wgmma" or plain != gemm.tile_configs(spec)[1] or rows == 1:
-        assert c == plain
-        return
-    assert c in gemm.multicast_configs(spec) and (c.bm, c.bn, c.stages) == (plain.bm, plain.bn, plain.stages)
-    assert c.tiles(m, n) == math.ceil(rows / c.multicast) * c.multicast * math.ceil(n / c.bn)
-    pad = c.tiles(m, n) // math.ceil(n / c.bn) - rows
-    assert pad == min((-rows) % mc for mc in gemm.MULTICASTS)
-    assert gemm.kernel_name(c, "add") == f"gemm_{plain.name}_m{c.multicast}_add"
-
-
-def test_multicast_at_pp520_clusters_the_0_8b_projections_by_three():
-    """M = 520 is 9 row tiles of 64: clusters of 3, no padding; every projection of the 0.8B takes them."""
-    h200 = load_spec("h200").with_prefill(split_k=4)
-    assert gemm.MULTICAST is False  # not yet measured: off
-    for n, k, epilogue in ((8224, 1024, "f32"), (7168, 1024, "silu"), (1024, 2048, "add"), (1024, 3584, "add")):
-        plain = gemm.choose(h200, 520, n, k, epilogue)
-        c = dataclasses.replace(plain, multicast=3)
-        assert c in gemm.multicast_configs(h200) and c.tiles(520, n) == plain.tiles(520, n)
-        assert gemm.splits(h200, c, 520, n, k, epilogue) == gemm.splits(h200, plain, 520, n, k, epilogue)
 
 
 def test_shapes_the_tiles_cannot_take_are_refused_with_a_reason():

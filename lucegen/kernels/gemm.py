@@ -25,15 +25,9 @@ so the result is the same bits run to run, whichever block finishes first (it st
 slices, which depends on the prompt's length: chunking a prompt differently changes the sums' grouping). The last
 block resets the tile's counter to zero, so the counters (a small buffer the Gemm allocates zeroed once) are zero
 before every launch and no memset runs per call; no block ever waits for another.
-
-Multicast (wgmma only, experimental: `MULTICAST`, off until measured): the small tile is also compiled in clusters
-of 2 and 3 blocks along M (`MULTICASTS`) in which one TMA load brings each W tile from L2 to all blocks of the
-cluster (gemm_wgmma.cuh); with MULTICAST set, a shape `choose` gives the small tile runs the cluster size that pads
-its row tiles least. The small tile is bound by its L2 -> SM operand traffic (9 |W| + N/128 |X| at M = 520).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,9 +43,6 @@ from ..spec import ChipSpec
 BK = 64          # K columns per pipeline stage
 
 MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
-
-MULTICASTS = (2, 3)  # wgmma: the small tile's cluster sizes along M (blocks sharing each W tile), compiled
-MULTICAST = False    # choose() takes them for the small tile (set by an A/B run; a spec knob once measured)
 
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
@@ -76,7 +67,6 @@ class TileConfig:
     min_blocks: int  # __launch_bounds__ blocks per SM the register allocation must allow
     efficiency: float  # relative throughput of a block's tile, for choosing between configs
     method: str = "mma"
-    multicast: int = 1  # wgmma: blocks of a cluster along M that share each W tile's load (1: no cluster)
 
     @property
     def threads(self) -> int:
@@ -90,12 +80,10 @@ class TileConfig:
 
     @property
     def name(self) -> str:
-        return f"{'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}" + (
-            f"_m{self.multicast}" if self.multicast > 1 else "")
+        return f"{'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}"
 
     def tiles(self, m: int, n: int) -> int:
-        """Blocks of one slice of K: row tiles (padded to whole clusters) x column tiles."""
-        return math.ceil(math.ceil(m / self.bm) / self.multicast) * self.multicast * math.ceil(n / self.bn)
+        return math.ceil(m / self.bm) * math.ceil(n / self.bn)
 
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
@@ -126,18 +114,6 @@ def tile_configs(spec: ChipSpec) -> tuple[TileConfig, TileConfig]:
     return large, small
 
 
-def multicast_configs(spec: ChipSpec) -> tuple[TileConfig, ...]:
-    """The small tile in clusters of each of MULTICASTS blocks along M (wgmma; none for mma)."""
-    if spec.tuning.prefill.gemm != "wgmma":
-        return ()
-    return tuple(dataclasses.replace(tile_configs(spec)[1], multicast=c) for c in MULTICASTS)
-
-
-def compiled_configs(spec: ChipSpec) -> tuple[TileConfig, ...]:
-    """Every config the chip's GEMM unit compiles: the large and the small tile, and the multicast ones."""
-    return tile_configs(spec) + multicast_configs(spec)
-
-
 def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
     """The busiest SM's work in whole tiles: its blocks (blocks that share an SM share its tensor cores, so resident
     blocks do not shorten it), each 1/splits of a tile."""
@@ -166,22 +142,16 @@ def workspace(spec: ChipSpec) -> tuple[int, int]:
     a counter per tile; (0, 0) without split-K."""
     if spec.tuning.prefill.split_k <= 1:
         return 0, 0
-    configs = compiled_configs(spec)
+    configs = tile_configs(spec)
     return (max(spec.chip.sm_count * c.min_blocks * c.bm * c.bn for c in configs),
             max(spec.chip.sm_count * c.min_blocks for c in configs))
 
 
 def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
     """The config with the shorter estimated time: the busiest SM's work (with the config's split of K) times the
-    time of one tile. With MULTICAST (wgmma), the small tile in the cluster size that pads its row tiles least (the
-    larger on a tie), where it has more than one row tile."""
-    configs = tile_configs(spec)
-    c = min(configs, key=lambda c: _waves(spec, c, m, n, splits(spec, c, m, n, k, epilogue))
-            * c.bm * c.bn / c.efficiency)
-    rows = math.ceil(m / c.bm)
-    if MULTICAST and c == configs[1] and rows > 1 and (multi := multicast_configs(spec)):
-        c = min(multi, key=lambda mc: (math.ceil(rows / mc.multicast) * mc.multicast - rows, -mc.multicast))
-    return c
+    time of one tile."""
+    return min(tile_configs(spec), key=lambda c: _waves(spec, c, m, n, splits(spec, c, m, n, k, epilogue))
+               * c.bm * c.bn / c.efficiency)
 
 
 def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None,
@@ -212,13 +182,13 @@ def kernel_name(config: TileConfig, epilogue: str) -> str:
 
 def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     """One unit per chip (the model's shapes are launch arguments)."""
-    configs = compiled_configs(spec)
+    configs = tile_configs(spec)
     method = spec.tuning.prefill.gemm
     params = {
         "method": method,
         "max_splits": spec.tuning.prefill.split_k,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
-                         min_blocks=c.min_blocks, multicast=c.multicast) for c in configs],
+                         min_blocks=c.min_blocks) for c in configs],
         "epilogues": [dict(name=e, functor=f, out=t, doc=d, split=e == SPLIT_ADD)
                       for e, (f, t, d) in KERNEL_EPILOGUES.items()],
     }
@@ -254,7 +224,7 @@ class Gemm:
     def __init__(self, module, spec: ChipSpec):
         self.spec = spec
         self.kernels = {}
-        for c in compiled_configs(spec):
+        for c in tile_configs(spec):
             for e in KERNEL_EPILOGUES:
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
