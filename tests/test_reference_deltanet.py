@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from lucegen.reference import relative_error
 from lucegen.reference.deltanet import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from lucegen.reference.ops import l2norm
 
 
 def tolerance(g: np.ndarray) -> float:
@@ -16,6 +17,19 @@ def tolerance(g: np.ndarray) -> float:
     """
     eps = float(np.finfo(g.dtype).eps)
     return 64 * eps + 4 * eps * 64 * float(np.abs(g).max(initial=0))
+
+
+def output_error(o: np.ndarray, o_ref: np.ndarray, args, state) -> float:
+    """|o - o_ref| relative to the terms each output sums: o_t = S_t^T q_t, so |S_t|^T |q_t| (S_t the reference's
+    state after token t, q_t as the rule scales it). An output whose terms cancel (hypothesis finds k_t . q_t near 0
+    at T = 1) has no digits of its own to compare; its terms do."""
+    q, k, v, g, beta = args
+    qn = np.abs(l2norm(q) / q.shape[-1] ** 0.5)
+    mags, s = np.empty_like(v), state
+    for t in range(len(q)):
+        _, s = recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        mags[t] = (qn[t][:, None, :] @ np.abs(s))[:, 0]
+    return float(np.linalg.norm(o - o_ref) / np.linalg.norm(mags))
 
 
 lengths = st.one_of(st.sampled_from([1, 2, 63, 64, 65, 127, 128, 130]), st.integers(1, 200))
@@ -40,7 +54,7 @@ def test_chunked_rule_equals_recurrent_rule(inputs):
     o_ref, s_ref = recurrent_gated_delta_rule(*args, state)
     o, s = chunk_gated_delta_rule(*args, state)
     assert o.dtype == s.dtype == args[0].dtype
-    assert relative_error(o, o_ref) < tolerance(args[3])
+    assert output_error(o, o_ref, args, state) < tolerance(args[3])
     assert relative_error(s, s_ref) < tolerance(args[3])
 
 
