@@ -472,6 +472,7 @@ struct FmtQ6_K {
         unsigned ql[4], qh[2], sc[2];  // ql[2j], ql[2j + 1]: k % 2 = j, values 4t.. and 16 + 4t..
         unsigned short d;
     };
+    // (two 16-bit loads: load_words_a2's funnel shift costs qgemm_mma 8 bytes of spills at an M-tile of 8)
     __device__ static unsigned word_a2(const unsigned char* q) {
         const unsigned short* h = reinterpret_cast<const unsigned short*>(q);
         return h[0] | (static_cast<unsigned>(h[1]) << 16);
