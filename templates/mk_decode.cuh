@@ -82,7 +82,15 @@ struct DecodeParams {
     int skip_mask;                  // PhaseKind bits (timing)
     int prefetch;                   // L2 prefetches: 0 none (timing); > 0 on, and the weight tiles asked for beyond
                                     // the ring where G::WEIGHT_PREFETCH_TILES > 0 (the spec's, or a sweep's)
+    unsigned long long* trace;      // null, or a timeline (timing; G::TRACE builds): TRACE_FIELDS values per (step,
+                                    // phase, block)
 };
+
+// The timeline a traced launch writes (lucegen/bench/decode.py reads it): per step, phase and block, the global
+// timer (ns) when the block starts the phase (its wait for the previous one over), when its GEMV starts and ends
+// (warp 1: the first consumer), and when every warp has finished the phase's work; then how many of the GEMV's
+// weight tiles had landed in the ring when it started, and how many it takes. No GEMV: zeros.
+enum TraceField { T_START, T_GEMV, T_GEMV_END, T_DONE, T_TILES_READY, T_TILES, TRACE_FIELDS };
 
 // This block's rows of one GEMV of a step: rows [r0, r1) of w (k wide), tile_rows rows per ring slot.
 struct Segment {
@@ -224,6 +232,14 @@ struct Decoder {
     float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
                       // down-projections add to, kept here so those adds read no global memory; x in global
                       // memory is their copy for the phases that read the whole vector
+    int step = 0, phase = 0;  // where run() is (the trace's coordinates)
+
+    // One value of the timeline (DecodeParams.trace), from the calling thread; compiled in only where G::TRACE
+    // (a build for timing: the registers the stamps take would spill some specs' kernels).
+    __device__ void trace(TraceField f, unsigned long long v) const {
+        if constexpr (G::TRACE)
+            if (p.trace) p.trace[((size_t(step) * PHASES + phase) * gridDim.x + blockIdx.x) * TRACE_FIELDS + f] = v;
+    }
 
     __device__ const unsigned char* layer_base(int l) const { return p.weights + M::layer_offset(l); }
     template <class T>
@@ -244,8 +260,16 @@ struct Decoder {
     template <int K, class Epilogue>
     __device__ void gemv(int seg, Epilogue&& epilogue) {
         const Segment s = stream.segments(seg);
+        const bool traced = G::TRACE && p.trace && threadIdx.x == 32;
+        if (traced) {
+            const unsigned tiles = (s.r1 - s.r0 + s.tile_rows - 1) / s.tile_rows;
+            trace(T_GEMV, global_ns());
+            trace(T_TILES_READY, ring.landed(min(tiles, unsigned(G::SLOTS))));
+            trace(T_TILES, tiles);
+        }
         ring_gemv<K, G::group_rows(K), G::tile_rows(K), G::k_split(K), WARPS>(ring, stream, staged<K>(), partials,
                                                                              s.r0, s.r1, epilogue);
+        if (traced) trace(T_GEMV_END, global_ns());
     }
 
     template <int K>
@@ -425,6 +449,7 @@ struct Decoder {
         const bool by_rows = k < PHASES - 1 && k % 5 == 0;
         if (by_rows) ready.publish();
         else bar.arrive();
+        if (threadIdx.x == 0) trace(T_DONE, global_ns());
         if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
         if (!by_rows) bar.wait([&] { ring.pump(stream); });
     }
@@ -439,8 +464,11 @@ struct Decoder {
             const int pos = p.position + s;
             const int limit = s == p.n_steps - 1 && p.phase_limit >= 0 ? p.phase_limit : PHASES;
             int k = 0;
+            step = s;
             for (; k < limit && k < PHASES - 1; ++k) {
                 const int l = k / 5;
+                phase = k;
+                if (threadIdx.x == 0) trace(T_START, global_ns());
                 switch (k % 5) {
                     case 0: phase_in(l, flag[1]); break;
                     case 1: phase_mix(l, pos); break;
@@ -451,6 +479,8 @@ struct Decoder {
                 end_phase(k, pos);
             }
             if (k < limit) {  // the LM head and the argmax, unless phase_limit stopped the step before it
+                phase = k;
+                if (threadIdx.x == 0) trace(T_START, global_ns());
                 phase_lm_head(s);
                 end_phase(k, pos);
                 const int token = merged_argmax();

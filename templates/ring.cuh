@@ -93,6 +93,13 @@ struct TileRing {
         return reinterpret_cast<const uint4*>(slots + (size_t)s * SLOT_BYTES);
     }
 
+    // A consumer warp: how many of the next n <= SLOTS tiles have landed, in order (a look, no wait: timing).
+    __device__ unsigned landed(unsigned n) const {
+        unsigned t = 0;
+        while (t < n && mbar_test(&full[(taken + t) % SLOTS], ((taken + t) / SLOTS) & 1)) ++t;
+        return t;
+    }
+
     // A consumer warp, after its last read of the tile it took.
     __device__ void release() {
         __syncwarp();

@@ -7,6 +7,9 @@
     phases       where a token's time goes: tg128 with one phase kind left out (work and weight reads; barriers stay)
                  gives that kind's share; every kind left out gives the barriers alone; prefetch off gives what the
                  L2 prefetches (weight tiles beyond the ring; state and KV where prefetch_distance > 0) are worth
+    timeline     one traced launch (every phase of every block time-stamped on the device, bench/timeline.py):
+                 per phase kind, the wall time and its parts (barrier exit, staging, GEMV, tail) on the critical
+                 path, and how often DRAM had the GEMV's first tiles in the ring before it started
     HF           transformers' Qwen3_5ForCausalLM (bf16, eager) decoding greedily in the same run, when torch and
                  transformers import
 
@@ -22,15 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.decode import DecodeEngine
-from ..kernels.megakernel import PHASE_KINDS, Layout
+from ..kernels.megakernel import PHASE_KINDS, TRACE_FIELDS, Layout
 from ..model.config import LINEAR, ModelConfig, load_config
-from ..runtime import Stream
+from ..runtime import DeviceArray, Stream
 from ..spec import ChipSpec, spec_for_current_device
 from .gemv import measure_read_gbs
 from .results import Recorder
+from .timeline import analyse
 from .timing import median_ms
 
 TG, PP = 128, 520
+TRACE_STEPS = 24
 HF_TOKENS = 32
 WEIGHT_PREFETCH_SWEEP = (0, 2, 4, 8, 16)  # weight tiles an SM asks L2 for beyond its ring (32 KB each on the H200)
 
@@ -98,6 +103,42 @@ class HFDecoder:
     def close(self) -> None:
         del self.model
         self.torch.cuda.empty_cache()
+
+
+def timeline(setup: "Setup", tokens: list[int], stream: Stream, rec: Recorder) -> None:
+    """One traced launch over `tokens` (forced) of the kernel built with its stamps (same weights), after untraced
+    ones: per phase kind, where its time goes; the traced build's time a token beside the plain build's."""
+    engine = DecodeEngine(None, setup.cfg, setup.spec, max_context=setup.engine.max_context, traced=True)
+    lay = engine.kernel.layout
+    trace = DeviceArray.zeros(engine.kernel.trace_size(len(tokens)), np.uint64)
+    plain = median_ms(lambda s: setup.engine.enqueue(tokens, stream=s), stream, repeat=5) * 1e3 / len(tokens)
+    traced = median_ms(lambda s: engine.enqueue(tokens, stream=s), stream, repeat=5) * 1e3 / len(tokens)
+    engine.enqueue(tokens, stream=stream, trace=trace)
+    stream.synchronize()
+    engine.free()
+    print(f"\n  {len(tokens)} forced tokens: {plain:.1f} us a token, {traced:.1f} with the stamps compiled in")
+    a = trace.numpy().reshape(len(tokens), lay.phases_per_token(), lay.blocks, len(TRACE_FIELDS))
+    trace.free()
+    kinds = [lay.phase_kind(k) for k in range(lay.phases_per_token())]
+    times, per_token = analyse(a, kinds, lay.slots)
+    moved = kind_bytes(lay)
+    print(f"\n  timeline of one traced launch ({len(tokens)} forced tokens, the first left out): {per_token:.1f} us "
+          f"a token; per phase kind, us a token on the critical path (the last block of each phase)")
+    print(f"  {'phase kind':<10} {'wall':>7} {'exit':>6} {'stage':>6} {'gemv':>6} {'tail':>6} {'work':>6} "
+          f"{'ready':>6} {'GB/s':>6}")
+    for kind, t in times.items():
+        gbs = moved[kind] / (t.wall * 1e3) if t.wall > 0 else 0.0
+        print(f"  {kind:<10} {t.wall:7.1f} {t.exit:6.1f} {t.stage:6.1f} {t.gemv:6.1f} {t.tail:6.1f} {t.work:6.1f} "
+              f"{t.ready_share:6.0%} {gbs:6.0f}")
+        rec.record(f"trace_us_{kind}", setup.name, t.wall, "us", moved[kind] / (setup.read_gbs * 1e3),
+                   exit_us=round(t.exit, 2), stage_us=round(t.stage, 2), gemv_us=round(t.gemv, 2),
+                   tail_us=round(t.tail, 2), work_us=round(t.work, 2), tiles_ready=round(t.ready_share, 3),
+                   gbs=round(gbs, 1))
+    exits = sum(t.exit for t in times.values())
+    print(f"  {'total':<10} {per_token:7.1f} {exits:6.1f}   (exit: barrier and ready-counter latency, "
+          f"{exits / lay.phases_per_token():.2f} us a phase)")
+    rec.record("trace_us_per_token", setup.name, per_token, "us", setup.per_token / (setup.read_gbs * 1e3),
+               exit_us=round(exits, 1), steps=len(tokens) - 1, untraced_us=round(plain, 2))
 
 
 @dataclass
@@ -182,6 +223,8 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
             print(f"  weight tiles prefetched {tiles:>2} beyond the ring: {us:7.1f} us a token")
             rec.record("weight_prefetch_us_per_token", name, us, "us", None, tiles=tiles,
                        spec_tiles=spec.tuning.megakernel.weight_prefetch_tiles)
+
+    timeline(setup, forced[:TRACE_STEPS], stream, rec)
 
     hf = HFDecoder.open(cfg)
     if hf is None:

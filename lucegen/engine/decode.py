@@ -27,14 +27,15 @@ class Steps(NamedTuple):
 
 class DecodeEngine(Speculating):
     """One sequence through the decode megakernel. `weights`: reference-style (HF names, any float dtype), or None
-    for pseudo-random weights of the real shapes filled on the device (benchmarks)."""
+    for pseudo-random weights of the real shapes filled on the device (benchmarks); traced: the kernel built with
+    its timeline stamps (enqueue(trace=...); benchmarks)."""
 
     def __init__(self, weights: Mapping[str, np.ndarray] | None, config: ModelConfig, spec: ChipSpec | None = None,
-                 max_context: int | None = None, build_root: Path | None = None):
+                 max_context: int | None = None, build_root: Path | None = None, traced: bool = False):
         self.config = config
         self.spec = spec or spec_for_current_device()
         self.max_context = min(max_context or self.spec.tuning.max_context, config.max_position_embeddings)
-        self.kernel = Megakernel(weights, config, self.spec, build_root)
+        self.kernel = Megakernel(weights, config, self.spec, build_root, traced=traced)
         self.state = DeviceState(config, self.max_context)
         self.table = self.kernel.state_table(self.state)
         self.n_done = DeviceArray.empty(1, np.int32)
@@ -88,7 +89,7 @@ class DecodeEngine(Speculating):
 
     def enqueue(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
                 phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True,
-                stream: Stream | None = None):
+                stream: Stream | None = None, trace: DeviceArray | None = None):
         """The launch of run() without waiting for it or advancing the state (benchmarks time this)."""
         if not len(tokens):
             raise ValueError("no tokens to run")
@@ -108,7 +109,7 @@ class DecodeEngine(Speculating):
         self.kernel.launch(self.table, prompt, len(tokens), self.position, n_steps, out_tokens, self.n_done,
                            logits=out_logits, logits_stride=V if logits == "all" else 0,
                            eos=-1 if eos is None else eos, phase_limit=phase_limit, skip_mask=skip_mask,
-                           prefetch=prefetch, stream=stream)
+                           prefetch=prefetch, trace=trace, stream=stream)
 
     def outputs(self) -> list[DeviceArray]:
         """The device buffers launches write their results to (tests poison them before a launch)."""

@@ -33,6 +33,9 @@ ALIGN = 256          # bytes: every tensor and activation starts on a 256-byte b
 MAX_SLOTS = 16       # ring slots per block: beyond this the ring only costs shared memory
 SHARED_RESERVE = 1024  # bytes of a block's shared memory left to the runtime
 
+# The values of a traced launch per (step, phase, block), in the order of TraceField in mk_decode.cuh.
+TRACE_FIELDS = ("start", "gemv", "gemv_end", "done", "tiles_ready", "tiles")
+
 # Phase kinds, in the order of PhaseKind in mk_decode.cuh: bit k of skip_mask leaves kind k out (timing).
 PHASE_KINDS = ("lin_in", "lin_rec", "lin_out", "att_in", "att_core", "att_out", "mlp_gu", "mlp_down", "lm_head")
 
@@ -142,8 +145,8 @@ class Layout:
     and the block's rows of the residual stream.
     """
 
-    def __init__(self, cfg: ModelConfig, spec: ChipSpec):
-        self.cfg, self.spec = cfg, spec
+    def __init__(self, cfg: ModelConfig, spec: ChipSpec, traced: bool = False):
+        self.cfg, self.spec, self.traced = cfg, spec, traced  # traced: the timeline's stamps compiled in (timing)
         mk = spec.tuning.megakernel
         self.blocks, self.threads = mk.blocks, mk.threads
         self.warps = self.threads // 32
@@ -262,6 +265,21 @@ class Layout:
         """Block `block`'s rows [r0, r1) of an n-row GEMV (mk_decode.cuh: block_rows)."""
         return n * block // self.blocks, n * (block + 1) // self.blocks
 
+    def phases_per_token(self) -> int:
+        """Phases of a decode step (mk_decode.cuh): 5 a layer (in-projection, mixer, out-projection, gate/up, down)
+        and the LM head."""
+        return 5 * self.cfg.num_hidden_layers + 1
+
+    def phase_kind(self, k: int) -> str:
+        """The PHASE_KINDS name of phase k of a step."""
+        if k == self.phases_per_token() - 1:
+            return "lm_head"
+        layer, sub = divmod(k, 5)
+        if sub >= 3:
+            return ("mlp_gu", "mlp_down")[sub - 3]
+        pre = "att" if self.cfg.layer_types[layer] == FULL else "lin"
+        return f"{pre}_{('in', 'rec' if pre == 'lin' else 'core', 'out')[sub]}"
+
     def barriers_per_token(self) -> int:
         """Grid barriers a decode step passes: 4 a layer (after the mixer, the out-projection, gate/up and down;
         the in-projection's rows are waited for by the blocks that read them) and the LM head's."""
@@ -316,7 +334,8 @@ class Layout:
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
             weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
-            smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes)
+            smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes,
+            trace=self.traced)
 
     def unit(self) -> KernelUnit:
         return KernelUnit("megakernel", "megakernel.cu.j2", self.params(),
@@ -341,11 +360,11 @@ class Megakernel:
     """
 
     def __init__(self, weights: Mapping[str, np.ndarray] | None, cfg: ModelConfig, spec: ChipSpec,
-                 build_root: Path | None = None, seed: int = 0):
+                 build_root: Path | None = None, seed: int = 0, traced: bool = False):
         from ..codegen.build import BUILD_DIR, build
         from ..runtime import DeviceArray, device_info
         self.cfg, self.spec = cfg, spec
-        self.layout = lay = Layout(cfg, spec)
+        self.layout = lay = Layout(cfg, spec, traced)
         result = build(spec, cfg, [lay.unit()], root=build_root or BUILD_DIR)
         self.kernel = result.module("megakernel").kernel(KERNEL)
         if lay.smem_bytes > 48 * 1024:
@@ -396,18 +415,27 @@ class Megakernel:
 
     def launch(self, table, prompt, n_prompt: int, position: int, n_steps: int, tokens, n_done, *, logits=None,
                logits_stride: int = 0, eos: int = -1, phase_limit: int = -1, skip_mask: int = 0,
-               prefetch: bool | int = True, stream=None) -> None:
+               prefetch: bool | int = True, trace=None, stream=None) -> None:
         """n_steps decode steps from `position` (asynchronous). Step s reads prompt[s] while s < n_prompt, else the
         previous step's argmax; writes its argmax to tokens[s] and, when `logits` is given, its logits at
         logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done.
         prefetch: True (the spec's L2 prefetches), False (none), or a number of weight tiles to prefetch beyond the
-        ring (a sweep; where the spec's weight_prefetch_tiles compiled the weight prefetch in)."""
+        ring (a sweep; where the spec's weight_prefetch_tiles compiled the weight prefetch in).
+        trace: None, or (a kernel built traced) a uint64 device array of trace_size(n_steps) values that receives
+        the launch's timeline (mk_decode.cuh: TraceField)."""
+        if trace is not None and not self.layout.traced:
+            raise ValueError("a timeline needs the megakernel built with traced=True")
         if prefetch is True:
             prefetch = max(1, self.spec.tuning.megakernel.weight_prefetch_tiles)
         out = (logits.ptr if logits is not None else 0, ctypes.c_void_p)
         self.kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt,
                     n_prompt, position, n_steps, eos, tokens, out, logits_stride, n_done, phase_limit, skip_mask,
-                    int(prefetch), smem=self.layout.smem_bytes, stream=stream, cooperative=True)
+                    int(prefetch), (trace.ptr if trace is not None else 0, ctypes.c_void_p),
+                    smem=self.layout.smem_bytes, stream=stream, cooperative=True)
+
+    def trace_size(self, n_steps: int) -> int:
+        """The values a traced launch of n_steps writes: TRACE_FIELDS per (step, phase, block)."""
+        return n_steps * self.layout.phases_per_token() * self.layout.blocks * len(TRACE_FIELDS)
 
     def activation(self, name: str) -> np.ndarray:
         """An activation buffer as the last launch left it (Layout.act's names): for per-phase tests."""
