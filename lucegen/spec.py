@@ -110,6 +110,13 @@ class DDTreeTuning:
     block_size: int = 16
 
 
+@dataclass(frozen=True)
+class DraftTuning:
+    """The DFlash draft on the GPU (lucegen/engine/draft_gpu.py)."""
+    window: int = 4096  # context rows its per-layer K/V rings hold: past this many committed tokens the draft attends
+                        # the last `window` only (the published server keeps a feature ring of min(context, 4096))
+
+
 GEMM_METHODS = ("mma", "wgmma")
 
 
@@ -132,6 +139,7 @@ class Tuning:
     argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
     ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
     prefill: PrefillTuning = field(default_factory=PrefillTuning)
+    draft: DraftTuning = field(default_factory=DraftTuning)
     kv_format: str = "bf16"
     weight_formats: tuple[str, ...] = ("bf16",)
     max_context: int = 32768
@@ -337,6 +345,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"{c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
+    if t.draft.window < 64:
+        _fail(source, "tuning.draft.window", f"{t.draft.window} must be at least 64 context rows")
     if not 1 <= t.prefill.split_k <= 8:
         _fail(source, "tuning.prefill.split_k", f"{t.prefill.split_k} must be between 1 (no split) and 8")
     return spec

@@ -31,8 +31,9 @@ __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, flo
 // x_out = x + y (y when given, else x itself) and h = RMSNorm (1 + w) of it, fp32, on quads [q0, q1) of the
 // H-wide row: the blocks of a row each take a part of it, every one summing the squares of the whole row in the same
 // order (so the same rstd, bit for bit; the row's ~20-40 KB come from L2). x_out must not be x (the other blocks
-// still read x). `scratch` holds THREADS/32 floats.
-template <int H, int THREADS>
+// still read x). `scratch` holds THREADS/32 floats. ZERO_CENTRED = false: the plain w * x_hat of Qwen3RMSNorm (the
+// DFlash draft's norms, draft.cu.j2) instead, the same arithmetic with 0 + w for 1 + w.
+template <int H, int THREADS, bool ZERO_CENTRED = true>
 __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                  float eps, float* __restrict__ x_out, float* __restrict__ h, int q0, int q1,
                                  float* scratch) {
@@ -56,14 +57,15 @@ __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __res
         ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
     }
     const float rstd = rsqrtf(block_sum<THREADS>(ss, scratch) / H + eps);
+    constexpr float ONE = ZERO_CENTRED ? 1.f : 0.f;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int q = threadIdx.x + i * THREADS;
         if (q >= q0 && q < q1) {
             const float4 g = __ldg(reinterpret_cast<const float4*>(w) + q);
             reinterpret_cast<float4*>(x_out)[q] = v[i];
-            reinterpret_cast<float4*>(h)[q] = make_float4(v[i].x * rstd * (1.f + g.x), v[i].y * rstd * (1.f + g.y),
-                                                          v[i].z * rstd * (1.f + g.z), v[i].w * rstd * (1.f + g.w));
+            reinterpret_cast<float4*>(h)[q] = make_float4(v[i].x * rstd * (ONE + g.x), v[i].y * rstd * (ONE + g.y),
+                                                          v[i].z * rstd * (ONE + g.z), v[i].w * rstd * (ONE + g.w));
         }
     }
 }

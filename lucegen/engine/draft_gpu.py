@@ -1,0 +1,303 @@
+"""The DFlash draft's forward on the GPU (issue #7): bf16 draft matrices, fp32 activations and sums, the target's
+embedding and LM head as the target loaded them (lucegen/engine/layered_weights.py: GGUF bytes or bf16, never
+converted). The math is lucegen/reference/dflash.py's draft_forward; the kernels are qgemv's projections, the
+layered family's embedding gather (and column placement), and the draft family's row kernels and attention
+(lucegen/kernels/draft.py, templates/draft.cuh).
+
+Context (append_context): each committed token's fused feature C = hidden_norm(fc(its 5 target hidden states)) is
+made once, and from it, per draft layer, its context K/V row (k_norm + RoPE at the token's position, v): one fused
+projection of C by every layer's [k_proj | v_proj], then draft_context_kv into the layer's ring. These rows depend
+on C alone (never on a block or an earlier draft layer: reference/dflash.py's docstring), so computing them once per
+token gives what the reference gets by recomputing them from all features each call.
+
+Memory is bounded: the rings hold `window` rows per layer (spec tuning.draft.window, 4096 by default, or less when
+max_context is less). A token goes to slot (its index among the appended tokens) % window, so past `window` appended
+tokens the draft attends the last `window` of them only. That is a deliberate approximation, and only then: the
+published server (lucebox) keeps a feature ring of min(max context, 4096) positions and drafts from the last
+min(committed, ring, max(2048, draft_ctx_max)) (research/lucebox.md section 2.2). Up to `window` tokens the draft
+is the reference's (unmasked attention does not depend on the order of its keys, so ring slots need not follow
+positions).
+
+forward(last_token, position): the block [last_token, mask, ..., mask] at positions position .. position + B - 1
+(position: where last_token sits, normally the number of committed tokens) through the draft's layers, then the
+draft's final norm and the target's LM head for block rows 1 .. B - 1:
+    x = embed(block)                                                (the target's table, its format)
+    per layer:  h = norm(x (+= y))
+                qkv = h [q | k | v]^T -> block_qkv (q_norm, k_norm, RoPE) -> attention over ring + block -> merge
+                y = . o^T;  h = norm(x += y);  gu = h [gate | up]^T;  y = silu(gate) up down^T
+    h = norm(x += y) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:] lm_head^T
+One CUDA graph (captured on the first forward) replays it: position, token and context length are read from the
+device (io = [position, block ids..., context rows]), so a forward is one small copy and one graph launch. The
+logits stay on the device, fp32 [B - 1, vocab], valid once the draft's stream is done (wait(), or later launches
+on `stream`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..codegen.build import BUILD_DIR, build
+from ..kernels import draft as draft_kernels
+from ..kernels import layered, qgemv
+from ..model.config import ModelConfig
+from ..model.draft_config import DraftConfig
+from ..model.quants import GGMLType, quantize
+from ..runtime import DeviceArray, Graph, Stream
+from ..spec import ChipSpec
+from .layered_weights import Part, Projection, fuse
+
+DEFAULT_CHUNK = 64  # context rows per append pass (the scratch for features and K/V rows is sized by it)
+
+
+def bf16_projection(matrices: Sequence[np.ndarray]) -> Projection:
+    """fp32 matrices stacked row-wise as one bf16 Projection (qgemv's bf16 rows)."""
+    runs, n, k = fuse([("bf16", quantize(np.asarray(w, np.float32), GGMLType.BF16)) for w in matrices])
+    return Projection([Part(fmt, qgemv.device_weights(rows), rows.shape[0], col) for fmt, rows, col in runs], n, k)
+
+
+def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
+    """Rows first .. first + m - 1 of a row-major fp32 buffer of rows `width` wide, as [m, width]."""
+    return a.view((m, width), offset_bytes=4 * first * width)
+
+
+class GpuDraft:
+    """The DFlash draft on the GPU. draft_weights: float32 by checkpoint name (model.draft.load_draft); target:
+    the target's weights on the device (a LayeredWeights, or anything with its `embed` and `lm_head` Projections);
+    max_context: the longest sequence (positions) it will see; window: ring rows (default the spec's
+    tuning.draft.window, capped at max_context)."""
+
+    def __init__(self, spec: ChipSpec, cfg: DraftConfig, draft_weights: Mapping[str, np.ndarray], target,
+                 target_cfg: ModelConfig, max_context: int, window: int | None = None, chunk: int = DEFAULT_CHUNK,
+                 root: Path = BUILD_DIR):
+        cfg.check_target(target_cfg)
+        if problem := draft_kernels.shape_problem(spec, cfg) or layered.shape_problem(spec, target_cfg):
+            raise ValueError(problem)
+        if len(target.embed.parts) != 1:
+            raise ValueError("the target's embedding must be one matrix of one format")
+        self.spec, self.cfg, self.target_cfg, self.target = spec, cfg, target_cfg, target
+        self.max_context = max_context
+        self.window = min(window or spec.tuning.draft.window, max_context)
+        if self.window < 1:
+            raise ValueError(f"a draft window of {self.window} rows")
+        self.chunk = chunk
+        self._upload(draft_weights)
+        H, I, B = cfg.hidden_size, cfg.intermediate_size, cfg.block_size
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        embed_fmt = target.embed.parts[0].fmt
+        pairs = {("bf16", H), ("bf16", cfg.fc_in), ("bf16", nh * hd), ("bf16", I),
+                 *((p.fmt, target.lm_head.k) for p in target.lm_head.parts)}
+        units = [*layered.units(spec, target_cfg, [embed_fmt]), *draft_kernels.units(spec, target_cfg, cfg),
+                 *qgemv.units(spec, target_cfg, sorted(pairs))]
+        # a folder of its own: the target's step builds qgemv units of the same names for its own K
+        result = build(spec, dataclasses.replace(target_cfg, name=f"{target_cfg.name}-dflash"), units, root=root)
+        self.rows_kernels = layered.LayerKernels(result.module(layered.unit_name(embed_fmt)), spec, target_cfg)
+        self.kernels = draft_kernels.DraftKernels(result.module(draft_kernels.UNIT), spec, cfg)
+        qmods, self.mm = {}, {}
+        for fmt, k in sorted(pairs):
+            qmods.setdefault(fmt, result.module(f"qgemv_{fmt}"))
+            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
+        self.stream = Stream(programmatic=spec.tuning.layered.pdl)
+        self.graph: Graph | None = None
+        self.length = 0  # context tokens appended since reset()
+        self._allocate()
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def _upload(self, w: Mapping[str, np.ndarray]) -> None:
+        cfg = self.cfg
+        vec = lambda name: DeviceArray.from_numpy(np.ascontiguousarray(w[name], np.float32))
+        self.fc = bf16_projection([w["fc.weight"]])
+        self.hidden_norm, self.final_norm = vec("hidden_norm.weight"), vec("norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append({
+                "qkv": bf16_projection([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                "o": bf16_projection([w[a + "o_proj.weight"]]),
+                "gate_up": bf16_projection([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
+                "down": bf16_projection([w[m + "down_proj.weight"]]),
+                "ln1": vec(p + "input_layernorm.weight"), "ln2": vec(p + "post_attention_layernorm.weight"),
+                "q_norm": vec(a + "q_norm.weight"), "k_norm": vec(a + "k_norm.weight")})
+        # every layer's context K/V from C in one projection: rows [k_0 | v_0 | k_1 | v_1 | ...] (the block's own
+        # k/v rows multiply h through each layer's qkv: the same bf16 rows, held twice)
+        self.ctx_kv = bf16_projection([w[f"layers.{i}.self_attn.{n}_proj.weight"]
+                                       for i in range(cfg.num_hidden_layers) for n in ("k", "v")])
+        self.k_norms = DeviceArray.from_numpy(np.ascontiguousarray(np.stack(
+            [w[f"layers.{i}.self_attn.k_norm.weight"] for i in range(cfg.num_hidden_layers)]), np.float32))
+
+    def _allocate(self) -> None:
+        cfg, T = self.cfg, self.chunk
+        H, I, B, V = cfg.hidden_size, cfg.intermediate_size, cfg.block_size, self.target_cfg.vocab_size
+        nh, nkv, hd, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        f32 = lambda *shape: DeviceArray.empty(shape, np.float32)
+        # io = [position, block ids (last token, then masks), context rows]
+        self.io = DeviceArray.empty(2 + B, np.int32)
+        self.io.copy_from(np.array([0, 0, *[cfg.mask_token_id] * (B - 1), 0], np.int32))
+        self.n_ctx_dev = self.io.view(1, np.int32, 4 * (1 + B))
+        self.x, self.x_next, self.h, self.y = (f32(B, H) for _ in range(4))
+        self.proj = f32(B, max(self.layers[0]["qkv"].n, 2 * I))
+        part = max((q.n for p in (self.target.lm_head,) if len(p.parts) > 1 for q in p.parts), default=1)
+        self.part = f32(B, part)
+        self.act, self.att = f32(B, I), f32(B, nh * hd)
+        self.q, self.bk, self.bv = f32(B, nh, hd), f32(B, nkv, hd), f32(B, nkv, hd)
+        po, pml = self.kernels.partial_sizes()
+        self.part_o, self.part_ml = f32(po), f32(pml)
+        lm_quantized = H % 32 == 0 and any(qgemv.fmt_of(p.fmt).quantizes_x for p in self.target.lm_head.parts)
+        self.hq = DeviceArray.empty(B * H // 32 * qgemv.XBLOCK_BYTES, np.uint8) if lm_quantized else None
+        self.logits = f32(B - 1, V)
+        ring = draft_kernels.window_floats(cfg, self.window)
+        self.keys, self.values = f32(ring), f32(ring)
+        # append scratch
+        self.feats, self.c_raw, self.c_sum, self.c = f32(T, cfg.fc_in), f32(T, H), f32(T, H), f32(T, H)
+        self.ctx_rows = f32(T, L * 2 * nkv * hd)
+        self.positions = DeviceArray.empty(T, np.int32)
+        self._keep: list = []  # host arrays of copies in flight
+
+    def ring(self, layer: int, values: bool = False) -> DeviceArray:
+        """Layer `layer`'s ring, [window, n_kv, head_dim]."""
+        c = self.cfg
+        n = self.window * c.num_key_value_heads * c.head_dim
+        return (self.values if values else self.keys).view((self.window, c.num_key_value_heads, c.head_dim),
+                                                            offset_bytes=4 * layer * n)
+
+    @property
+    def n_ctx(self) -> int:
+        """Context rows the next forward attends: the appended tokens, at most the window's."""
+        return min(self.length, self.window)
+
+    # ---- projections --------------------------------------------------------------------------------------------
+    def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
+        """y [m, P.n] = x [m, P.k] P^T (LayeredStep.project: each part into its columns)."""
+        for part in P.parts:
+            op = self.mm[part.fmt, P.k]
+            if len(P.parts) == 1 or m == 1:
+                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream, xq=xq)
+            else:
+                op(part.w, x, self.part, part.n, m, stream=stream, xq=xq)
+                self.rows_kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
+
+    # ---- context ------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the context (a new sequence)."""
+        self.length = 0
+
+    def append_context(self, features, positions: Sequence[int] | int) -> None:
+        """Append committed tokens: their target features [T, len(target_layer_ids) * hidden] (numpy, or fp32 on
+        the device) at positions [T] (or the first one, the rest following). Their K/V rows go into every layer's
+        ring (the oldest rows give way past the window). On the draft's stream."""
+        cfg = self.cfg
+        if isinstance(features, DeviceArray):
+            if features.dtype != np.float32 or features.size % cfg.fc_in:
+                raise ValueError(f"features must be fp32 [T, {cfg.fc_in}]; got {features}")
+            T = features.size // cfg.fc_in
+        else:
+            features = np.ascontiguousarray(features, np.float32)
+            if features.ndim != 2 or features.shape[1] != cfg.fc_in:
+                raise ValueError(f"features must be [T, {cfg.fc_in}]; got {features.shape}")
+            T = features.shape[0]
+        positions = (np.arange(T) + positions) if np.isscalar(positions) else np.asarray(positions)
+        if positions.shape != (T,):
+            raise ValueError(f"{T} feature rows need {T} positions; got {positions.shape}")
+        if T and (positions.min() < 0 or positions.max() >= self.max_context):
+            raise ValueError(f"positions must be in 0 .. {self.max_context - 1}")
+        positions = positions.astype(np.int32)
+        H, k, s = cfg.hidden_size, self.kernels, self.stream
+        for t0 in range(0, T, self.chunk):
+            m = min(self.chunk, T - t0)
+            if isinstance(features, DeviceArray):
+                feats = features.view((m, cfg.fc_in), offset_bytes=4 * t0 * cfg.fc_in)
+            else:
+                feats = rows(self.feats, m, cfg.fc_in)
+                self._keep.append(features[t0:t0 + m])
+                feats.copy_from(self._keep[-1], stream=s)
+            self._keep.append(positions[t0:t0 + m])
+            self.positions.view(m).copy_from(self._keep[-1], stream=s)
+            self.project(self.fc, feats, rows(self.c_raw, m, H), m, s)
+            k.rmsnorm(self.c_raw, None, self.hidden_norm, self.c_sum, self.c, m, stream=s)
+            self.project(self.ctx_kv, self.c, self.ctx_rows, m, s)
+            k.context_kv(self.ctx_rows, self.k_norms, self.positions, self.length % self.window, self.window,
+                         self.keys, self.values, m, stream=s)
+            self.length += m
+
+    # ---- the forward --------------------------------------------------------------------------------------------
+    def enqueue(self, stream) -> None:
+        """Every launch of a forward (position, last token and context rows already in io)."""
+        cfg, t, k, r = self.cfg, self.target, self.kernels, self.rows_kernels
+        B, H = cfg.block_size, cfg.hidden_size
+        r.embed(t.embed.parts[0].w, self.io, self.x, B, stream=stream)
+        residual = [self.x, self.x_next]
+
+        def add_norm(y, w, xq=None):
+            k.rmsnorm(residual[0], y, w, residual[1], self.h, B, stream=stream, xq=xq)
+            residual.reverse()
+
+        for i, L in enumerate(self.layers):
+            add_norm(None if i == 0 else self.y, L["ln1"])
+            self.project(L["qkv"], self.h, self.proj, B, stream)
+            k.block_qkv(self.proj, L["q_norm"], L["k_norm"], self.io, self.q, self.bk, self.bv, stream=stream)
+            k.attention(self.q, self.bk, self.bv, self.ring(i), self.ring(i, values=True), self.n_ctx_dev,
+                        self.part_o, self.part_ml, stream=stream)
+            k.merge(self.part_o, self.part_ml, self.n_ctx_dev, self.att, stream=stream)
+            self.project(L["o"], self.att, self.y, B, stream)
+            add_norm(self.y, L["ln2"])
+            self.project(L["gate_up"], self.h, self.proj, B, stream)
+            k.silu_mul(self.proj, self.act, B, stream=stream)
+            self.project(L["down"], self.act, self.y, B, stream)
+        add_norm(self.y, self.final_norm, xq=self.hq)
+        xq = None if self.hq is None else self.hq.view(
+            (B - 1) * H // 32 * qgemv.XBLOCK_BYTES, offset_bytes=H // 32 * qgemv.XBLOCK_BYTES)
+        self.project(t.lm_head, rows(self.h, B - 1, H, 1), self.logits, B - 1, stream, xq=xq)
+
+    def forward(self, last_token: int, position: int) -> DeviceArray:
+        """Device logits [block_size - 1, vocab] (fp32) of depths 1 .. B - 1 after last_token at `position`, over
+        the context appended so far (its last `window` tokens). Queued on the draft's stream (wait())."""
+        cfg = self.cfg
+        if not 0 <= last_token < self.target_cfg.vocab_size:
+            raise ValueError(f"token id {last_token} outside the vocabulary of {self.target_cfg.vocab_size}")
+        if not 0 <= position or position + cfg.block_size > self.max_context:
+            raise ValueError(f"a block at position {position} exceeds the context of {self.max_context}")
+        head = np.array([position, last_token], np.int32)
+        self._keep.append(head)
+        self.io.view(2).copy_from(head, stream=self.stream)
+        n = np.array([self.n_ctx], np.int32)
+        self._keep.append(n)
+        self.n_ctx_dev.copy_from(n, stream=self.stream)
+        if self.graph is None:
+            with Graph.capture(self.stream) as g:
+                self.enqueue(self.stream)
+            self.graph = g
+        self.graph.launch(self.stream)
+        return self.logits
+
+    def wait(self) -> None:
+        self.stream.synchronize()
+        self._keep.clear()
+
+    def logits_numpy(self) -> np.ndarray:
+        """The last forward's logits on the host (waits for them)."""
+        self.wait()
+        return self.logits.numpy()
+
+    def free(self) -> None:
+        if self.graph is not None:
+            self.graph.destroy()
+            self.graph = None
+        arrays = [self.fc.parts, self.ctx_kv.parts]
+        for L in self.layers:
+            for v in L.values():
+                arrays.append(v.parts if isinstance(v, Projection) else [v])
+        flat = [p.w if isinstance(p, Part) else p for group in arrays for p in group]
+        flat += [self.hidden_norm, self.final_norm, self.k_norms, self.io, self.x, self.x_next, self.h, self.y,
+                 self.proj, self.part, self.act, self.att, self.q, self.bk, self.bv, self.part_o, self.part_ml,
+                 self.hq, self.logits, self.keys, self.values, self.feats, self.c_raw, self.c_sum, self.c,
+                 self.ctx_rows, self.positions]
+        for a in flat:
+            if a is not None:
+                a.free()
+        for op in self.mm.values():
+            if op.xq is not None:
+                op.xq.free()
+        self.stream.destroy()
