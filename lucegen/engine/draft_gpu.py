@@ -154,7 +154,9 @@ class GpuDraft:
         self.feats, self.c_raw, self.c_sum, self.c = f32(T, cfg.fc_in), f32(T, H), f32(T, H), f32(T, H)
         self.ctx_rows = f32(T, L * 2 * nkv * hd)
         self.positions = DeviceArray.empty(T, np.int32)
-        self._keep: list = []  # host arrays of copies in flight
+        # host arrays of the latest copies on the stream (a pageable copy is staged before the call returns; kept
+        # anyway, as LayeredStep keeps its io, and dropped at the next call)
+        self._keep: list = []
 
     def ring(self, layer: int, values: bool = False) -> DeviceArray:
         """Layer `layer`'s ring, [window, n_kv, head_dim]."""
@@ -205,6 +207,7 @@ class GpuDraft:
             raise ValueError(f"positions must be in 0 .. {self.max_context - 1}")
         positions = positions.astype(np.int32)
         H, k, s = cfg.hidden_size, self.kernels, self.stream
+        self._keep = []
         for t0 in range(0, T, self.chunk):
             m = min(self.chunk, T - t0)
             if isinstance(features, DeviceArray):
@@ -260,7 +263,7 @@ class GpuDraft:
         if not 0 <= position or position + cfg.block_size > self.max_context:
             raise ValueError(f"a block at position {position} exceeds the context of {self.max_context}")
         head = np.array([position, last_token], np.int32)
-        self._keep.append(head)
+        self._keep = [head]
         self.io.view(2).copy_from(head, stream=self.stream)
         n = np.array([self.n_ctx], np.int32)
         self._keep.append(n)
