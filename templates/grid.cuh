@@ -80,18 +80,19 @@ struct GridBarrier {
     // Has every block arrived? (thread 0 asks; wrap-safe)
     __device__ __forceinline__ bool done() const { return static_cast<int>(load_acquire(counters) - passed) >= 0; }
 
-    // Block-wide: wait until every block has arrived, running `idle()` in warp 0 between polls (warp-uniform).
-    // Thread 0's last poll acquires every block's writes; the __syncthreads passes them on.
+    // Block-wide (at least 2 warps): wait until every block has arrived. Warp 1 polls: thread 32's last poll
+    // acquires every block's writes and the __syncthreads passes them on. Warp 0 meanwhile runs `idle()`
+    // (warp-uniform) until the poller has posted the barrier to `seen` (shared memory), so what idle() does
+    // (issuing weight copies) never delays noticing the barrier.
     template <typename Idle>
-    __device__ __forceinline__ void wait(Idle&& idle) {
-        if (threadIdx.x < 32) {
+    __device__ __forceinline__ void wait(Idle&& idle, volatile unsigned* seen) {
+        if (threadIdx.x / 32 == 1) {
             SpinGuard guard;
-            for (;;) {
-                const bool all = __shfl_sync(0xffffffffu, threadIdx.x == 0 ? done() : false, 0);
-                if (all) break;
-                idle();
+            while (!__shfl_sync(0xffffffffu, threadIdx.x == 32 ? done() : false, 0))
                 guard("the grid barrier", passed / gridDim.x, 0);
-            }
+            if (threadIdx.x == 32) *seen = passed;
+        } else if (threadIdx.x < 32) {  // a stale `seen` (shared memory outlives a launch) only ends this early
+            while (__shfl_sync(0xffffffffu, *seen, 0) != passed) idle();
         }
         __syncthreads();
     }
@@ -114,8 +115,8 @@ struct ReadyFlags {
     }
 
     // Block-wide: wait until every block of each range blocks[i] = (first, last) has published the latest vector,
-    // running `idle()` in warp 0 between polls (warp-uniform). Each lane's last poll acquires what its blocks
-    // wrote; the __syncthreads passes it on.
+    // running `idle()` in warp 0 between polls (warp-uniform; keep it short: it delays noticing the rows). Each
+    // lane's last poll acquires what its blocks wrote; the __syncthreads passes it on.
     template <int N, typename Idle>
     __device__ __forceinline__ void wait(const int2 (&blocks)[N], Idle&& idle) {
         if (threadIdx.x < 32) {

@@ -113,15 +113,33 @@ __device__ __forceinline__ int2 row_blocks(int n, int2 r) {
 }
 
 // This block's weight segments of a step, in consumption order: per layer IN, OUT, GU, DOWN; then the LM head.
-// Phases whose kind is skipped have empty segments (their weights are not read either).
+// Phases whose kind is skipped have empty segments (their weights are not read either). The block works them out
+// once per launch into a table in shared memory (fill): the producer warp looks one up per tile it issues, and
+// working one out (block shares, the layer tables in constant memory) costs it about a microsecond.
 template <class M, class G>
 struct SegmentMap {
+    static constexpr int COUNT = 4 * M::LAYERS + 1;
     const unsigned char* weights;
     int skip_mask;
 
     __device__ bool skipped(PhaseKind k) const { return (skip_mask >> k) & 1; }
 
-    __device__ Segment operator()(int seg) const {
+    // The table: COUNT entries at G::SMEM_SEGMENTS of the dynamic shared memory (an address the compiler knows,
+    // not a pointer held in registers).
+    __device__ static Segment* table() {
+        extern __shared__ __align__(128) unsigned char dynamic_smem[];
+        return reinterpret_cast<Segment*>(dynamic_smem + G::SMEM_SEGMENTS);
+    }
+
+    __device__ const Segment& operator()(int seg) const { return table()[seg]; }
+
+    // Block-wide, once, before the first lookup: the table (ends with __syncthreads).
+    __device__ void fill() const {
+        for (int seg = threadIdx.x; seg < COUNT; seg += blockDim.x) table()[seg] = compute(seg);
+        __syncthreads();
+    }
+
+    __device__ Segment compute(int seg) const {
         constexpr int ATT_K = M::ATT_NH * M::ATT_HD;
         if (seg == 4 * M::LAYERS) {
             const int2 r = block_rows(M::VOCAB);
@@ -168,22 +186,22 @@ struct SegmentMap {
 // A position in a block's tile sequence over n_steps steps of segments.
 template <class M, class G>
 struct TileCursor {
-    static constexpr int SEGMENTS = 4 * M::LAYERS + 1;
-    int step = 0, seg = 0, tile = 0;
+    static constexpr int SEGMENTS = SegmentMap<M, G>::COUNT;
+    int step = 0, seg = 0, row = -1;  // row: the next tile's first row in segment seg (-1: its first tile's)
 
     // The next tile (false past the last step).
     __device__ bool next(const SegmentMap<M, G>& segments, int n_steps, const void*& src, unsigned& bytes) {
         for (;;) {
             if (step >= n_steps) return false;
-            const Segment s = segments(seg);
-            const int row = s.r0 + tile * s.tile_rows;
+            const Segment& s = segments(seg);
+            if (row < 0) row = s.r0;
             if (row < s.r1) {
                 src = s.w + (size_t)row * s.k;
                 bytes = static_cast<unsigned>(min(s.tile_rows, s.r1 - row) * s.k * 2);
-                ++tile;
+                row += s.tile_rows;
                 return true;
             }
-            tile = 0;
+            row = -1;
             if (++seg == SEGMENTS) seg = 0, ++step;
         }
     }
@@ -227,7 +245,8 @@ struct Decoder {
     ReadyFlags ready; // the in-projection's rows, per block that writes them
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
-    int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases)
+    int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases),
+                      // [2] the last grid barrier the poller has seen pass (grid.cuh: GridBarrier::wait)
     float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
     float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
                       // down-projections add to, kept here so those adds read no global memory; x in global
@@ -259,7 +278,7 @@ struct Decoder {
     // Rows of segment `seg` times the staged vector (K wide), epilogue per row group (see ring_gemv).
     template <int K, class Epilogue>
     __device__ void gemv(int seg, Epilogue&& epilogue) {
-        const Segment s = stream.segments(seg);
+        const Segment& s = stream.segments(seg);
         const bool traced = G::TRACE && p.trace && threadIdx.x == 32;
         if (traced) {
             const unsigned tiles = (s.r1 - s.r0 + s.tile_rows - 1) / s.tile_rows;
@@ -323,13 +342,13 @@ struct Decoder {
     static constexpr int REC_ITEMS = M::LIN_HV * (M::LIN_DV / M::LIN_SLICE);
 
     // Block-wide: wait until the blocks that write in-projection rows `rows` (of n) have written them; warp 0
-    // keeps the ring full meanwhile.
+    // keeps the ring full meanwhile, a tile between polls.
     template <int N>
     __device__ void wait_rows(int n, const int2 (&rows)[N]) {
         int2 blocks[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) blocks[i] = row_blocks(n, rows[i]);
-        ready.wait(blocks, [&] { ring.pump(stream); });
+        ready.wait(blocks, [&] { ring.pump(stream, 1); });
     }
 
     __device__ void phase_mix(int l, int pos) {
@@ -451,17 +470,18 @@ struct Decoder {
         else bar.arrive();
         if (threadIdx.x == 0) trace(T_DONE, global_ns());
         if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
-        if (!by_rows) bar.wait([&] { ring.pump(stream); });
+        if (!by_rows) bar.wait([&] { ring.pump(stream); }, reinterpret_cast<volatile unsigned*>(flag + 2));
     }
 
     __device__ void run() {
+        stream.segments.fill();
         ring.init();
         if (threadIdx.x < 32) ring.pump(stream);
         if (blockIdx.x == 0 && threadIdx.x == 0) *p.n_done = 0;
         if (threadIdx.x == 0) flag[1] = p.prompt[0];
         __syncthreads();
-        for (int s = 0; s < p.n_steps; ++s) {
-            const int pos = p.position + s;
+        for (int pos = p.position; pos < p.position + p.n_steps; ++pos) {  // the step, s, is derived: one register
+            const int s = pos - p.position;                                  // fewer held across the phases
             const int limit = s == p.n_steps - 1 && p.phase_limit >= 0 ? p.phase_limit : PHASES;
             int k = 0;
             step = s;

@@ -50,10 +50,10 @@ struct TileRing {
     }
 
     // Warp 0: issue tiles from `source` (source.next(src, bytes) -> false at the end of the stream) while the
-    // slot of the next tile is free.
+    // slot of the next tile is free, at most `most` of them.
     template <class Source>
-    __device__ void pump(Source& source) {
-        for (;;) {
+    __device__ void pump(Source& source, unsigned most = ~0u) {
+        for (unsigned n = 0; n < most; ++n) {
             const unsigned s = issued % SLOTS;
             const bool free = issued < SLOTS || mbar_test(&empty[s], ((issued / SLOTS) - 1) & 1);
             if (!__all_sync(0xffffffffu, free)) return;

@@ -33,6 +33,8 @@ ALIGN = 256          # bytes: every tensor and activation starts on a 256-byte b
 MAX_SLOTS = 16       # ring slots per block: beyond this the ring only costs shared memory
 SHARED_RESERVE = 1024  # bytes of a block's shared memory left to the runtime
 
+SEGMENT_BYTES = 24  # sizeof(Segment) in mk_decode.cuh
+
 # The values of a traced launch per (step, phase, block), in the order of TraceField in mk_decode.cuh.
 TRACE_FIELDS = ("start", "gemv", "gemv_end", "done", "tiles_ready", "tiles")
 
@@ -141,8 +143,8 @@ class Layout:
     Weights: one arena of packed tensors (each 256-byte aligned): the embeddings, then per layer its tensors in
     the order of linear_tensors / full_tensors, then the final norm and (untied models) the LM head.
     Activations: one fp32 buffer (offsets in floats). Shared memory per block: the weight ring's slots, their
-    mbarriers, a work area (the staged GEMV input or a work item's arrays), reduction scratch, K-split partial sums
-    and the block's rows of the residual stream.
+    mbarriers, a work area (the staged GEMV input or a work item's arrays), reduction scratch and flags, K-split
+    partial sums, the block's rows of the residual stream and its table of weight segments.
     """
 
     def __init__(self, cfg: ModelConfig, spec: ChipSpec, traced: bool = False):
@@ -207,7 +209,9 @@ class Layout:
         self.scratch_bytes = _align(8 * self.warps + 16, 128)
         self.partial_bytes = _align(4 * self.partial_floats, 128)
         self.own_bytes = _align(4 * -(-H // self.blocks), 128)  # the block's rows of the residual stream
-        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes + self.own_bytes
+        # the block's weight segments of a step (mk_decode.cuh: SegmentMap's table of 24-byte Segments)
+        self.segment_bytes = _align(SEGMENT_BYTES * (4 * cfg.num_hidden_layers + 1), 128)
+        fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes + self.own_bytes + self.segment_bytes
         budget = spec.chip.smem_per_block - SHARED_RESERVE - fixed
         self.slots = min(MAX_SLOTS, budget // (self.slot_bytes + 16))
         if self.slots < 2:
@@ -220,7 +224,8 @@ class Layout:
         self.smem_scratch = self.smem_work + self.work_bytes
         self.smem_partials = self.smem_scratch + self.scratch_bytes
         self.smem_own = self.smem_partials + self.partial_bytes
-        self.smem_bytes = self.smem_own + self.own_bytes
+        self.smem_segments = self.smem_own + self.own_bytes
+        self.smem_bytes = self.smem_segments + self.segment_bytes
 
     # ---- how the GEMVs are cut ----------------------------------------------------------------------------------
     def gemv_widths(self) -> list[int]:
@@ -331,6 +336,7 @@ class Layout:
             tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
                      for k in self.gemv_widths()],
             partial_floats=self.partial_floats, smem_partials=self.smem_partials, smem_own=self.smem_own,
+            smem_segments=self.smem_segments, segment_bytes=SEGMENT_BYTES,
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
             weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
