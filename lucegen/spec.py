@@ -130,6 +130,14 @@ class PrefillTuning:
 
 
 @dataclass(frozen=True)
+class TopKTuning:
+    """The per-position top-k of draft logits on the device (kernels/topk.py, templates/topk.cuh)."""
+    threads: int = 256   # a power of two
+    slice: int = 8192    # logits a block reads (a multiple of threads): 31 blocks a row of a 248,320 vocabulary
+    max_k: int = 64      # the most tokens a position may ask for (32, 64 or 128): the largest DDTree budget it feeds
+
+
+@dataclass(frozen=True)
 class Tuning:
     megakernel: MegakernelTuning
     gemv: GemvTuning = field(default_factory=GemvTuning)
@@ -137,6 +145,7 @@ class Tuning:
     layered: LayeredTuning = field(default_factory=LayeredTuning)
     norm: Launch = field(default_factory=lambda: Launch(threads=256))
     argmax: Launch = field(default_factory=lambda: Launch(threads=512, blocks=0))
+    topk: TopKTuning = field(default_factory=TopKTuning)
     ddtree: DDTreeTuning = field(default_factory=DDTreeTuning)
     prefill: PrefillTuning = field(default_factory=PrefillTuning)
     draft: DraftTuning = field(default_factory=DraftTuning)
@@ -349,7 +358,29 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.draft.window", f"{t.draft.window} must be at least 64 context rows")
     if not 1 <= t.prefill.split_k <= 8:
         _fail(source, "tuning.prefill.split_k", f"{t.prefill.split_k} must be between 1 (no split) and 8")
+    _check_topk(spec, source)
     return spec
+
+
+def topk_shared_bytes(threads: int, slice_: int, max_k: int) -> int:
+    """Static shared memory of templates/topk.cuh's kernel (TopKShape): the gathered entries >= L, the group
+    maxima and a list per warp (8 bytes an entry), and a few words."""
+    groups = min(2 * max_k, threads)
+    return 8 * (max_k * (slice_ // groups) + groups + threads // 32 * max_k + threads // 32) + 16
+
+
+def _check_topk(spec: ChipSpec, source: str) -> None:
+    k = spec.tuning.topk
+    if k.threads & (k.threads - 1) or not 64 <= k.threads <= 1024:
+        _fail(source, "tuning.topk.threads", f"{k.threads} must be a power of two between 64 and 1024")
+    if k.max_k not in (32, 64, 128) or k.max_k > k.threads:
+        _fail(source, "tuning.topk.max_k", f"{k.max_k} must be 32, 64 or 128, and at most threads ({k.threads})")
+    if k.slice % k.threads or not 1 <= k.slice // k.threads <= 64:
+        _fail(source, "tuning.topk.slice", f"{k.slice} must be 1 to 64 times threads ({k.threads})")
+    smem = topk_shared_bytes(k.threads, k.slice, k.max_k)
+    if smem > 48 * 1024:
+        _fail(source, "tuning.topk.slice", f"{k.slice} values a block with max_k {k.max_k} need {smem} bytes of "
+              f"static shared memory (at most 49152)")
 
 
 def load_spec(path: str | Path) -> ChipSpec:

@@ -4,11 +4,11 @@ from __future__ import annotations
 from ..codegen.unit import KernelUnit
 from ..model.config import ModelConfig
 from ..spec import ChipSpec
-from . import argmax, attention, conv1d, draft, gdn, gemm, gemv, layered, megakernel, norm, qgemv, rows, tree
+from . import argmax, attention, conv1d, draft, gdn, gemm, gemv, layered, megakernel, norm, qgemv, rows, topk, tree
 
 # the prefill families (rows .. attention) skip model shapes their tiles cannot take; so does the decode megakernel
 # where a model's rows exceed a block's shared memory
-FAMILIES = (norm, gemv, argmax, rows, gemm, conv1d, gdn, attention, qgemv, megakernel, layered, tree, draft)
+FAMILIES = (norm, gemv, argmax, rows, gemm, conv1d, gdn, attention, qgemv, megakernel, layered, tree, draft, topk)
 
 
 def all_units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
