@@ -294,12 +294,25 @@ struct Decoder {
     template <int K>
     __device__ StagedF32<K> staged() const { return StagedF32<K>{reinterpret_cast<float4*>(work)}; }
 
-    // A K-wide fp32 vector written earlier in this launch, staged as a GEMV input. Ends with __syncthreads.
+    // A K-wide fp32 vector written earlier in this launch, staged as a GEMV input. Every load is issued before
+    // the first store (a store to shared memory could alias a later load's source, so the compiler would keep
+    // them in turn: an L2 round trip each). Ends with __syncthreads.
     template <int K>
     __device__ void stage(const float* x) {
+        constexpr int PER_THREAD = (K / 4 + THREADS - 1) / THREADS;
         const StagedF32<K> xs = staged<K>();
         const float4* x4 = reinterpret_cast<const float4*>(x);
-        for (int q = threadIdx.x; q < K / 4; q += THREADS) xs.quad(q) = load_coherent(x4 + q);
+        float4 v[PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = threadIdx.x + i * THREADS;
+            if (q < K / 4) v[i] = load_coherent(x4 + q);
+        }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int q = threadIdx.x + i * THREADS;
+            if (q < K / 4) xs.quad(q) = v[i];
+        }
         __syncthreads();
     }
 
@@ -470,7 +483,7 @@ struct Decoder {
         else bar.arrive();
         if (threadIdx.x == 0) trace(T_DONE, global_ns());
         if (G::PREFETCH > 0 && threadIdx.x < 32) prefetch(k + G::PREFETCH, pos);
-        if (!by_rows) bar.wait([&] { ring.pump(stream); }, reinterpret_cast<volatile unsigned*>(flag + 2));
+        if (!by_rows) bar.wait([&] { ring.pump(stream, 1); }, reinterpret_cast<volatile unsigned*>(flag + 2));
     }
 
     __device__ void run() {
