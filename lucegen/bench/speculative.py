@@ -11,7 +11,13 @@
     budget   a noisy oracle (the true token first with probability SWEEP_ACCURACY, else second) under DDTree trees
              of BUDGETS nodes: accepted length and tok/s per budget
     verify   engines with a verifier() (the cuda ones): its target pass over a DDTree of each budget (the noisy
-             oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget)
+             oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget;
+             the spec's DDTree budget among them)
+    draft    a cuda LayeredEngine whose target the bundled DFlash draft config fits (the 27B): the GPU draft's
+             forward, context append and device top-K, the tree build, walk and commit on the real shapes, and
+             their sum with the verify: one round at accepted length 8 (spec_round_ms_al8, spec_round_tok_s_al8,
+             next to the oracle's ddtree_tok_s_al8); lucegen/bench/draft_parts.py. Other engines: skipped, the
+             reason printed
 
 Every output is checked against the autoregressive one (greedy_equal): speculative decoding is lossless. Models
 are named "<backend> <target>"; the headline is ddtree_tok_s_al8. Engines without speculate() record the
@@ -32,6 +38,7 @@ from ..reference.model import State, prefill
 from ..spec import DDTreeTuning
 from ..spec_decode import Speculation, build_tree, commit, oracle_draft, tree_forward, walk
 from ..spec_decode.decode import DraftFn
+from . import draft_parts
 from .engines import open_engine
 from .results import Recorder
 
@@ -139,11 +146,12 @@ def fitting(engine, budgets: Sequence[int]) -> list[int]:
 
 
 def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int],
-           budgets: Sequence[int], repeat: int) -> None:
+           budgets: Sequence[int], repeat: int) -> tuple[dict[int, float], float | None]:
     """The engine's verifier (the tree verifier of the layer-by-layer step, node by node on the megakernel's)
-    over the tree of each budget after the prompt, against one decode step there."""
+    over the tree of each budget after the prompt, against one decode step there. Returns (ms by budget, the
+    decode step's ms); ({}, None) for an engine without a verifier."""
     if not hasattr(engine, "verifier"):
-        return
+        return {}, None
     verifier = engine.verifier()
     try:
         engine.reset()
@@ -162,6 +170,7 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
     for b, (nodes, ms) in times.items():
         rec.record("spec_verify_ms", name, ms, "ms", step_ms, budget=b, nodes=nodes, verifier=type(verifier).__name__)
         print(f"  verify, budget {b} ({nodes} nodes): {ms:.2f} ms = {ms / step_ms:.1f} decode steps")
+    return {b: ms for b, (_, ms) in times.items()}, step_ms
 
 
 def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: str | None = None,
@@ -188,15 +197,18 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
         print(f"  {backend} engine has no speculate(): speculative suites skipped")
         return
 
+    recorded = {}
+
     def speculative(metric: str, draft_fn, tree_budget: int, chain: bool = False, limit_al: float | None = None,
                     **extra) -> None:
         """Runs with the draft, each after an autoregressive run (the rate they are compared with: load on the
         machine moves both alike); limit: limit_al (else the measured accepted length) x that rate."""
         runs = against_autoregressive(engine, gen, Speculation(draft_fn, DEPTH, tree_budget, chain), repeat)
         ar_tps, g = runs.ar_tok_s, runs.median
-        rec.record(metric, name, g.decode_tps, "tok/s", (limit_al or g.tokens_per_pass) * ar_tps,
-                   accepted_length=round(g.tokens_per_pass, 3), speedup=round(g.decode_tps / ar_tps, 3),
-                   budget=tree_budget, greedy_equal=g.token_ids == target, ar_tok_s=round(ar_tps, 3), **extra)
+        recorded[metric] = rec.record(
+            metric, name, g.decode_tps, "tok/s", (limit_al or g.tokens_per_pass) * ar_tps,
+            accepted_length=round(g.tokens_per_pass, 3), speedup=round(g.decode_tps / ar_tps, 3), budget=tree_budget,
+            greedy_equal=g.token_ids == target, ar_tok_s=round(ar_tps, 3), **extra)
         if g.token_ids != target:
             print(f"  {metric}: the output differs from the autoregressive one (speculative decoding must be "
                   f"lossless)")
@@ -204,7 +216,8 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
     parts(rec, engine, f"{name} + draft {model_name(draft)}" if real_draft else name, prompt_ids, target,
           real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget),
           f"DFlash {draft}" if real_draft else "oracle, 7 right a round", repeat)
-    verify(rec, engine, name, prompt_ids, target, budgets, repeat)
+    spec_budget = [engine.spec.tuning.ddtree.budget] if draft_parts.skip_reason(engine) is None else []
+    verify_ms, step_ms = verify(rec, engine, name, prompt_ids, target, sorted({*budgets, *spec_budget}), repeat)
     for a in accept_lengths:
         draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
         for mode in ("ddtree", "chain"):
@@ -212,3 +225,4 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
                         draft=f"oracle, {a - 1} right a round")
     for b in fitting(engine, budgets):
         speculative(f"ddtree_tok_s_b{b}", sweep_draft(target, len(prompt_ids), vocab), b, draft=SWEEP_DRAFT)
+    draft_parts.run(rec, engine, name, prompt_ids, target[0], verify_ms, step_ms, recorded.get("ddtree_tok_s_al8"))
