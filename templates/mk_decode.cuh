@@ -294,24 +294,28 @@ struct Decoder {
     template <int K>
     __device__ StagedF32<K> staged() const { return StagedF32<K>{reinterpret_cast<float4*>(work)}; }
 
-    // A K-wide fp32 vector written earlier in this launch, staged as a GEMV input. Every load is issued before
-    // the first store (a store to shared memory could alias a later load's source, so the compiler would keep
-    // them in turn: an L2 round trip each). Ends with __syncthreads.
+    // A K-wide fp32 vector written earlier in this launch, staged as a GEMV input. A thread's loads are issued
+    // G::STAGE_BATCH at a time before their stores (a store to shared memory could alias a later load's source,
+    // so the compiler would keep them in turn: an L2 round trip each; the batch costs 4 registers a load, which
+    // the layout gives only where the kernel has them to spare). Ends with __syncthreads.
     template <int K>
     __device__ void stage(const float* x) {
         constexpr int PER_THREAD = (K / 4 + THREADS - 1) / THREADS;
+        constexpr int BATCH = G::STAGE_BATCH < PER_THREAD ? G::STAGE_BATCH : PER_THREAD;
         const StagedF32<K> xs = staged<K>();
         const float4* x4 = reinterpret_cast<const float4*>(x);
-        float4 v[PER_THREAD];
+        for (int q0 = threadIdx.x; q0 < K / 4; q0 += BATCH * THREADS) {
+            float4 v[BATCH];
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = threadIdx.x + i * THREADS;
-            if (q < K / 4) v[i] = load_coherent(x4 + q);
-        }
+            for (int i = 0; i < BATCH; ++i) {
+                const int q = q0 + i * THREADS;
+                if (q < K / 4) v[i] = load_coherent(x4 + q);
+            }
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int q = threadIdx.x + i * THREADS;
-            if (q < K / 4) xs.quad(q) = v[i];
+            for (int i = 0; i < BATCH; ++i) {
+                const int q = q0 + i * THREADS;
+                if (q < K / 4) xs.quad(q) = v[i];
+            }
         }
         __syncthreads();
     }

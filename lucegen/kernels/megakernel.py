@@ -211,6 +211,9 @@ class Layout:
         self.own_bytes = _align(4 * -(-H // self.blocks), 128)  # the block's rows of the residual stream
         # the block's weight segments of a step (mk_decode.cuh: SegmentMap's table of 24-byte Segments)
         self.segment_bytes = _align(SEGMENT_BYTES * (4 * cfg.num_hidden_layers + 1), 128)
+        # loads a thread keeps in flight while staging a GEMV input (mk_decode.cuh: stage): 4 on sm_90 and later
+        # (measured on the H200; spill-free there), 1 on sm_80/86/89, whose kernels spill with 4
+        self.stage_batch = 4 if spec.chip.cc >= 90 else 1
         fixed = self.work_bytes + self.scratch_bytes + self.partial_bytes + self.own_bytes + self.segment_bytes
         budget = spec.chip.smem_per_block - SHARED_RESERVE - fixed
         self.slots = min(MAX_SLOTS, budget // (self.slot_bytes + 16))
@@ -336,7 +339,7 @@ class Layout:
             tilings=[dict(k=k, rows=self.tiling(k)[0], tile_rows=self.tiling(k)[1], split=self.k_split(k))
                      for k in self.gemv_widths()],
             partial_floats=self.partial_floats, smem_partials=self.smem_partials, smem_own=self.smem_own,
-            smem_segments=self.smem_segments, segment_bytes=SEGMENT_BYTES,
+            smem_segments=self.smem_segments, segment_bytes=SEGMENT_BYTES, stage_batch=self.stage_batch,
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
             weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
