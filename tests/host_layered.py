@@ -22,6 +22,7 @@ from lucegen.model.config import tiny_config
 from lucegen.model.gguf_file import gguf_name, load_gguf
 from lucegen.model.quants import GGMLType, dequantize
 from lucegen.model.weights import open_weights
+from lucegen.engine.layered_weights import Source
 from host_kernels import HostArray, on_host, rows_of, store
 
 
@@ -330,3 +331,13 @@ def assert_speculation_is_plain_greedy(engine, prompt, n: int, depth: int, budge
     assert out == plain
     assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the draft's tokens were not accepted"
 
+
+class QuantizedSource(Source):
+    """A target whose embedding is Q4_K and LM head Q6_K (as the 27B Q4_K_M GGUF), other matrices bf16."""
+    FORMATS = {"embed_tokens.weight": "q4_k", "lm_head.weight": "q6_k"}
+
+    def matrix(self, name: str):
+        fmt = self.FORMATS.get(name)
+        if fmt is None:
+            return super().matrix(name)
+        return fmt, qgemv.encode(np.asarray(self.weights[name], np.float32), fmt)

@@ -34,7 +34,8 @@ from lucegen.reference.ops import rope_cos_sin
 from lucegen.spec import list_specs, load_spec
 
 from host_kernels import on_host, rows_of, store
-from host_layered import ActivationQuantized, HostGraph, HostStream, LayeredHostKernel, _array, write_xblocks
+from host_layered import (ActivationQuantized, HostGraph, HostStream, LayeredHostKernel, QuantizedSource, _array,
+                          write_xblocks)
 
 RTOL = 1e-5
 TARGET = tiny_config()
@@ -204,17 +205,6 @@ def test_past_the_window_the_draft_attends_the_last_window_tokens(host, tiny):
     assert relative_error(got, full) > 1e-3  # the approximation is real: the dropped rows mattered
     assert make_draft(target_w, draft_w).window == min(256, load_spec("h200").tuning.draft.window)
     assert make_draft(target_w, draft_w, max_context=100).window == 100
-
-
-class QuantizedSource(Source):
-    """A target whose embedding is Q4_K and LM head Q6_K (as a 27B GGUF), other matrices bf16."""
-    FORMATS = {"embed_tokens.weight": "q4_k", "lm_head.weight": "q6_k"}
-
-    def matrix(self, name: str):
-        fmt = self.FORMATS.get(name)
-        if fmt is None:
-            return super().matrix(name)
-        return fmt, qgemv.encode(np.asarray(self.weights[name], np.float32), fmt)
 
 
 def test_a_quantized_embedding_and_lm_head_as_the_target_loaded_them(host):

@@ -45,6 +45,7 @@ from ..model.draft_config import DraftConfig
 from ..reference.dflash import draft_weight_shapes
 from ..reference.weights import tensor_rng
 from ..spec_decode import build_tree, walk
+from .timing import host_median_ms
 
 DRAFT_CONFIG_NAME = "qwen3.5-27b-dflash-draft"
 LONG_CONTEXT = 4096  # the second context the forward is timed at (the spec's default draft window)
@@ -136,14 +137,7 @@ class TiledDraftWeights(Mapping):
 
 def timed_ms(fn: Callable[[], object], repeat: int = REPEAT, warmup: int = WARMUP) -> float:
     """Median host time of fn() (which must wait for its device work), after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return host_median_ms(fn, repeat, warmup)
 
 
 # ---- the measurement ------------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ autoregressive rate and say what they skipped.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from ..spec_decode.decode import DraftFn
 from . import draft_parts
 from .engines import open_engine
 from .results import Recorder
+from .timing import host_median_ms
 
 ACCEPT_LENGTHS = (4, 6, 8, 10)
 BUDGETS = (2, 4, 8, 16, 32, 64)
@@ -56,15 +56,6 @@ GREEDY = SamplingParams(temperature=0)
 def sweep_draft(target: Sequence[int], prompt_len: int, vocab: int) -> DraftFn:
     """The budget sweep's draft: the noisy oracle (SWEEP_DRAFT) of the greedy continuation `target`."""
     return oracle_draft(target, prompt_len, vocab, accuracy=SWEEP_ACCURACY, seed=1)
-
-
-def _median_ms(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int], draft: Speculation,
@@ -85,12 +76,12 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
     accepted, _ = walk(tree, logits, sampler)
     engine.reset()
     engine.prefill(prompt_ids)
-    step_ms = _median_ms(lambda: engine.decode(target[0]), repeat * 4)
-    costs = {"draft": _median_ms(lambda: draft_fn(context, depth), repeat),
-             "tree": _median_ms(lambda: build_tree(logprobs, budget, root=context[-1]), repeat),
-             "verify": _median_ms(lambda: tree_forward(weights, cfg, committed, tree.tokens, tree.parents), repeat),
-             "walk": _median_ms(lambda: walk(tree, logits, Sampler(GREEDY)), repeat),
-             "commit": _median_ms(lambda: commit(committed, nodes, accepted), repeat)}
+    step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
+    costs = {"draft": host_median_ms(lambda: draft_fn(context, depth), repeat),
+             "tree": host_median_ms(lambda: build_tree(logprobs, budget, root=context[-1]), repeat),
+             "verify": host_median_ms(lambda: tree_forward(weights, cfg, committed, tree.tokens, tree.parents), repeat),
+             "walk": host_median_ms(lambda: walk(tree, logits, Sampler(GREEDY)), repeat),
+             "commit": host_median_ms(lambda: commit(committed, nodes, accepted), repeat)}
     extra = dict(budget=budget, nodes=len(tree.tokens), depth=depth, accepted=len(accepted) - 1, draft=label)
     rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))
     for part, ms in costs.items():
@@ -162,8 +153,8 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         for b in fitting(engine, budgets):
             tree = build_tree(logprobs, b, root=context[-1])
             verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
-            times[b] = (len(tree.tokens), _median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
-        step_ms = _median_ms(lambda: engine.decode(target[0]), repeat * 4)
+            times[b] = (len(tree.tokens), host_median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
+        step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
     finally:
         verifier.free()
     rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))

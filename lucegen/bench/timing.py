@@ -29,6 +29,18 @@ def median_ms(fn: Callable[[Stream], None], stream: Stream, warmup_s: float = 0.
     return statistics.median(times)
 
 
+def host_median_ms(fn: Callable[[], object], repeat: int, warmup: int = 0) -> float:
+    """Median host time of fn() in milliseconds (fn waits for any device work it starts), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def kernel_kind(name: str) -> str:
     """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
     rmsnorm_f32_h1024 -> rmsnorm_f32, qgemv_q4_k_k5120_r1_s2_t256_st3 -> qgemv_q4_k, qgemm_m8_q6_k_k5120_r1_s1_t256

@@ -84,8 +84,8 @@ class GpuDraft:
             raise ValueError(f"a draft window of {self.window} rows")
         self.chunk = chunk
         self._upload(draft_weights)
-        H, I, B = cfg.hidden_size, cfg.intermediate_size, cfg.block_size
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
         embed_fmt = target.embed.parts[0].fmt
         pairs = {("bf16", H), ("bf16", cfg.fc_in), ("bf16", nh * hd), ("bf16", I),
                  *((p.fmt, target.lm_head.k) for p in target.lm_head.parts)}
@@ -172,14 +172,8 @@ class GpuDraft:
 
     # ---- projections --------------------------------------------------------------------------------------------
     def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
-        """y [m, P.n] = x [m, P.k] P^T (LayeredStep.project: each part into its columns)."""
-        for part in P.parts:
-            op = self.mm[part.fmt, P.k]
-            if len(P.parts) == 1 or m == 1:
-                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream, xq=xq)
-            else:
-                op(part.w, x, self.part, part.n, m, stream=stream, xq=xq)
-                self.rows_kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
+        """y [m, P.n] = x [m, P.k] P^T (Projection.apply, as the target's step)."""
+        P.apply(self.mm, self.rows_kernels, self.part, x, y, m, stream, xq)
 
     # ---- context ------------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -137,16 +137,8 @@ class LayeredStep:
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
-        """y [m, P.n] = x [m, P.k] P^T: each part straight into its columns when it has all of them or m = 1,
-        else through the part buffer and a placing kernel. xq: x's XBlocks, made by the kernel that wrote x (else
-        each quantized part quantizes x itself)."""
-        for part in P.parts:
-            op = self.mm[part.fmt, P.k]
-            if len(P.parts) == 1 or m == 1:
-                op(part.w, x, y.view(m * P.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream, xq=xq)
-            else:
-                op(part.w, x, self.part, part.n, m, stream=stream, xq=xq)
-                self.kernels.place(self.part, y, part.n, P.n, part.col, m, stream=stream)
+        """y [m, P.n] = x [m, P.k] P^T (Projection.apply, through this step's part buffer)."""
+        P.apply(self.mm, self.kernels, self.part, x, y, m, stream, xq)
 
     def enqueue(self, m: int, stream, mixer=None) -> None:
         """Every launch of a step over the m tokens of io (position and ids already on the device); the mixers

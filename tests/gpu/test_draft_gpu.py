@@ -45,6 +45,7 @@ from lucegen.reference.dflash import draft_forward, random_draft_weights
 from lucegen.reference.weights import tensor_rng
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import spec_for_current_device
+from host_layered import QuantizedSource
 
 pytestmark = pytest.mark.gpu
 KERNEL_RTOL, FORWARD_RTOL, ROW_RTOL = 1e-5, 1e-4, 1e-6
@@ -271,17 +272,6 @@ def test_past_the_window_and_features_on_the_device(small, root):
     d.free()
     weights.free()
     dfeats.free()
-
-
-class QuantizedSource(Source):
-    """A target whose embedding is Q4_K and LM head Q6_K (as the 27B Q4_K_M GGUF), other matrices bf16."""
-    FORMATS = {"embed_tokens.weight": "q4_k", "lm_head.weight": "q6_k"}
-
-    def matrix(self, name: str):
-        fmt = self.FORMATS.get(name)
-        if fmt is None:
-            return super().matrix(name)
-        return fmt, qgemv.encode(np.asarray(self.weights[name], np.float32), fmt)
 
 
 def test_a_quantized_embedding_and_lm_head(small, root):
