@@ -86,6 +86,7 @@ class QGemvTuning:
     stages: int = 0           # items (span slices of its rows) in each warp's cp.async ring in shared memory; 0: none,
                               # the loads go straight into registers
     gemm: str = "dp4a"        # the GEMM (M > 1) of the formats that have both: dp4a, or mma (int8 tensor cores)
+    gemm_mma_from: int = 2    # with gemm = mma: the smallest M the int8 mma GEMM takes (dp4a's M-tiles below it)
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
     if t.qgemv.gemm not in QGEMM_METHODS:
         _fail(source, "tuning.qgemv.gemm", f"{t.qgemv.gemm!r} is not one of {', '.join(QGEMM_METHODS)}")
+    if not 2 <= t.qgemv.gemm_mma_from <= 65:
+        _fail(source, "tuning.qgemv.gemm_mma_from", f"{t.qgemv.gemm_mma_from} must be between 2 and 65 (a tree "
+              f"verify's rows)")
     if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
         _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:

@@ -185,30 +185,67 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over half the piece's values, for
 // F::SPLIT), then F::term scales it in fp32 and the class's sum takes it, as qgemm's lane does. At the end the 32
 // class sums of each output meet in shared memory and are added in warp_sum's butterfly order.
-template <class F, int K, int MT, int THREADS>
+//
+// Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block copies
+// with 16-byte cp.async, STAGES - 1 slices ahead of the one multiplied: the 16 rows' slices (each widened to the
+// 16-byte words around it, as qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation
+// rows' XBlocks of the slice. Read from global memory instead, each piece's activations cost the warp a round trip
+// to L2 between its mma (measured: slower than dp4a). Each row slot is an odd number of 16-byte words, so that
+// the 8 rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An M-tile's n-tiles of 8
+// past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
+template <class F, int K, int MT, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
     static_assert(MT % 8 == 0 && MT <= 32, "activation rows in mma tiles of 8");
-    static constexpr int ROWS = 16;                      // weight rows per block: the mma's M
-    static constexpr int SMEM = 32 * ROWS * MT * 4;      // the class sums of the block's outputs
+    static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
+    using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
+    static constexpr int ROWS = 16;              // weight rows per block: the mma's M
+    static constexpr int odd_words(int bytes) { return bytes / 16 % 2 ? bytes : bytes + 16; }
+    static constexpr int W_SLOT = odd_words(Q::SLOT), X_SLOT = odd_words(Q::X_SLICE_BYTES);
+    static constexpr int X_STAGE = ROWS * W_SLOT;  // where a stage's activations start
+    static constexpr int STAGE_BYTES = X_STAGE + MT * X_SLOT;
+    static constexpr int RING = STAGES * STAGE_BYTES;
+    static constexpr int RED = 32 * ROWS * MT * 4;  // the class sums of the block's outputs (after the ring's use)
+    static constexpr int SMEM = RING > RED ? RING : RED;
 };
 
-template <class F, int K, int MT, int THREADS>
+template <class F, int K, int MT, int STAGES, int THREADS>
 __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
                           float* __restrict__ y, int N, int M, unsigned char* smem) {
-    using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
-    using R = QGemmMma<F, K, MT, THREADS>;
+    using R = QGemmMma<F, K, MT, STAGES, THREADS>;
+    using Q = typename R::Q;
     constexpr int NT = MT / 8, BLOCKS = K / F::BLOCK_VALUES, PIECE_XB = F::XB / F::PIECES;
+    constexpr int W_WORDS = Q::SLOT / 16, X_WORDS = Q::X_SLICE_BYTES / 16;
     const int mtiles = (M + MT - 1) / MT;
     const int m0 = (blockIdx.x % mtiles) * MT, r0 = (blockIdx.x / mtiles) * R::ROWS;
+    const int nts = min(NT, (M - m0 + 7) / 8);  // the n-tiles holding activation rows
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    wait_for_prior_grids();
-    // This thread's A rows g and g + 8, B activation rows 8 nt + g and C activation rows 8 nt + 2t, 8 nt + 2t + 1
-    // (rows past N or M read the last one; their outputs are dropped).
-    const unsigned char* wr[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) wr[i] = W + (long long)min(r0 + g + 8 * i, N - 1) * Q::ROW_BYTES;
-    const auto xrow = [&](int m) { return x + (long long)min(m0 + m, M - 1) * Q::X_ROW_BYTES; };
+    // Row j's slice s starts slice_start(j, s) bytes into W (rows past N: the last row's; their outputs are dropped).
+    const auto slice_start = [&](int j, int s) {
+        return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES + (long long)s * Q::SLICE_BYTES;
+    };
+    // Slice s into stage s % STAGES: the rows' bytes from the 16-byte word holding their first, and the XBlocks of
+    // the activation rows of the n-tiles in use (rows past M: the last row's).
+    const auto issue = [&](int s) {  // every thread: its share of slice s's copies (if any); always one commit group
+        if (s < Q::SLICES) {
+            unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
+            const int bytes = min(Q::SLICE_BYTES, static_cast<int>(Q::ROW_BYTES - (long long)s * Q::SLICE_BYTES));
+            for (int c = threadIdx.x; c < R::ROWS * W_WORDS; c += THREADS) {
+                const int j = c / W_WORDS, w = c % W_WORDS;
+                const long long start = slice_start(j, s), from = start & ~15ll;
+                if (from + 16 * w < start + bytes) cp_async16(stage + j * R::W_SLOT + 16 * w, W + from + 16 * w, true);
+            }
+            const long long xs = (long long)s * Q::X_SLICE_BYTES;
+            const int xbytes = min(Q::X_SLICE_BYTES, static_cast<int>(Q::X_ROW_BYTES - xs));
+            for (int c = threadIdx.x; c < 8 * nts * X_WORDS; c += THREADS) {
+                const int m = c / X_WORDS, w = c % X_WORDS;
+                if (16 * w < xbytes)
+                    cp_async16(stage + R::X_STAGE + m * R::X_SLOT + 16 * w,
+                               x + (long long)min(m0 + m, M - 1) * Q::X_ROW_BYTES + xs + 16 * w, true);
+            }
+        }
+        cp_async_commit();
+    };
     float acc[4][NT][4];
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -216,20 +253,27 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
-    // The warp's block of slice s, its raw bytes loaded a slice ahead (raw: this slice's, for rows g and g + 8).
     const int q = warp % 2;
-    const auto block_of = [&](int s) { return s * (32 / F::PIECES) + warp / 2; };
-    typename F::MmaRaw raw[2];
+    const int wb = warp / 2;  // the warp's block in every slice
+    int skew[2];              // where rows g and g + 8 start, mod 16
 #pragma unroll
-    for (int i = 0; i < 2; ++i) raw[i] = F::mma_raw(wr[i] + (long long)min(block_of(0), BLOCKS - 1) * F::BLOCK_BYTES, q, t);
+    for (int i = 0; i < 2; ++i) skew[i] = static_cast<int>(slice_start(g + 8 * i, 0) & 15);
+    wait_for_prior_grids();   // the activations are the kernel before's
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
 #pragma unroll 1
     for (int s = 0; s < Q::SLICES; ++s) {
-        const int blk = block_of(s);
-        if (blk >= BLOCKS) break;  // a partial last slice without this warp's block: qgemm's lanes skip it too
-        typename F::MmaRaw next[2];
+        cp_async_wait<STAGES - 2>();  // this thread's copies of slice s have landed ...
+        __syncthreads();              // ... and every thread's; every warp is done with slice s - 1's stage
+        issue(s + STAGES - 1);        // into that stage
+        if (s * (32 / F::PIECES) + wb >= BLOCKS) continue;  // a partial last slice without this warp's block:
+                                                            // qgemm's lanes skip it too
+        const unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
+        typename F::MmaRaw raw[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)  // (past the last block: the last block again, unused)
-            next[i] = F::mma_raw(wr[i] + (long long)min(block_of(s + 1), BLOCKS - 1) * F::BLOCK_BYTES, q, t);
+        for (int i = 0; i < 2; ++i)  // row g + 8i's block, (row start + s SLICE_BYTES) mod 16 into its slot
+            raw[i] = F::mma_raw(stage + (g + 8 * i) * R::W_SLOT + ((skew[i] + s * Q::SLICE_BYTES) & 15) +
+                                wb * F::BLOCK_BYTES, q, t);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int p = 4 * q + c;
@@ -237,10 +281,12 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
             typename F::Scale sc[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) F::mma_piece(raw[i], q, c, a[i][0], a[i][1], sc[i]);
-            const long long xo = (long long)blk * F::XB + p * PIECE_XB;  // the piece's XBlock in a row
+            // the piece's XBlock in a stage's activation row
+            const unsigned char* xp = stage + R::X_STAGE + wb * F::XB + p * PIECE_XB;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const XBlock& xq = *reinterpret_cast<const XBlock*>(xrow(8 * nt + g) + xo);
+                if (nt >= nts) break;
+                const XBlock& xq = *reinterpret_cast<const XBlock*>(xp + (8 * nt + g) * R::X_SLOT);
                 const unsigned b[2] = {static_cast<unsigned>(xq.q[t]), static_cast<unsigned>(xq.q[4 + t])};
                 int lo[4], hi[4] = {0, 0, 0, 0};
                 if constexpr (F::SPLIT) {
@@ -251,16 +297,17 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                 }
                 int4 meta[2];
 #pragma unroll
-                for (int j = 0; j < 2; ++j) meta[j] = reinterpret_cast<const XBlock*>(xrow(8 * nt + 2 * t + j) + xo)->meta();
+                for (int j = 0; j < 2; ++j)
+                    meta[j] = reinterpret_cast<const XBlock*>(xp + (8 * nt + 2 * t + j) * R::X_SLOT)->meta();
 #pragma unroll
                 for (int e = 0; e < 4; ++e)  // C element e: row g + 8 (e / 2), activation 8 nt + 2t + e % 2
                     acc[c][nt][e] = __fadd_rn(acc[c][nt][e], F::term(sc[e / 2], lo[e], hi[e], meta[e % 2]));
             }
         }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) raw[i] = next[i];
     }
+    cp_async_wait<0>();
     launch_next_grid();
+    __syncthreads();  // every warp is done with the ring: its memory takes the class sums
     float* red = reinterpret_cast<float*>(smem);  // [class][row][activation]
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -272,6 +319,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     __syncthreads();
     for (int o = threadIdx.x; o < R::ROWS * MT; o += THREADS) {
         const int row = o / MT, m = o % MT;
+        if (r0 + row >= N || m0 + m >= M) continue;
         float v[32];
 #pragma unroll
         for (int l = 0; l < 32; ++l) v[l] = red[(l * R::ROWS + row) * MT + m];
@@ -279,7 +327,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         for (int w = 16; w > 0; w >>= 1)  // warp_sum's order: lane l adds lane l ^ w's partial
 #pragma unroll
             for (int l = 0; l < w; ++l) v[l] += v[l + w];
-        if (r0 + row < N && m0 + m < M) y[(long long)(m0 + m) * N + r0 + row] = v[0];
+        y[(long long)(m0 + m) * N + r0 + row] = v[0];
     }
 }
 

@@ -97,25 +97,41 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
-            if q.gemm == "mma" and f.mma:  # tensor cores: M-tiles of 8, 16 rows a block
-                assert [(t.mt, t.mma, t.rows_per_block()) for t in gemms] == [(8, True, 16)]
-            else:
-                assert [t.mt for t in gemms] == [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
-                assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
+            mma = q.gemm == "mma" and f.mma
+            if mma:  # tensor cores: the last kernel, 16 rows a block; dp4a's M-tiles before it unless it takes all M
+                *gemms, t = gemms
+                assert (t.mt, t.stages, t.mma, t.rows_per_block()) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True, 16)
+            dp4a = [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
+            assert [t.mt for t in gemms] == dp4a
+            assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
             assert len({t.name(f, k) for t in (v, *gemms)}) == 1 + len(gemms)
 
 
 def test_mma_sizes_worked_out_by_hand():
-    q4k = qgemv.FORMATS["q4_k"]
-    t = qgemv.Tuning(256, 1, 16, 1, mma=True)
-    assert t.smem(q4k) == 32 * 16 * 16 * 4       # 32 lane classes x 16 rows x 16 activation rows of fp32 sums
+    q4k, q6k = qgemv.FORMATS["q4_k"], qgemv.FORMATS["q6_k"]
+    t = qgemv.Tuning(256, 1, 16, 1, 3, mma=True)
+    # a stage: 16 rows' slices (4 blocks of 144 bytes = 36 words, in slots of 37) and 16 activation rows' XBlocks of
+    # the slice (32 pieces x 48 bytes = 96 words, in slots of 97); 3 stages outgrow the 32 lane classes' sums
+    assert t.smem(q4k) == 3 * (16 * 37 * 16 + 16 * 97 * 16) > 32 * 16 * 16 * 4
+    # Q6_K: 4 blocks of 210 bytes from a 2-byte aligned start widened to 54 words, slots of 55; 8 activation rows
+    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k) == 2 * (16 * 55 * 16 + 8 * 97 * 16)
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
-    assert t.name(q4k, 5120) == "qgemm_mma_m16_q4_k_k5120_t256"
+    assert t.name(q4k, 5120) == "qgemm_mma_m16_q4_k_k5120_t256_st3"
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
     kernels = [qgemv.Tuning(256, 1, mt, 1) for mt in (1, 2, 4, 8)]
     assert [qgemv.for_rows(kernels, m).mt for m in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_the_mma_gemm_takes_calls_from_its_threshold():
+    mma = qgemv.Tuning(256, 1, 16, 1, 2, mma=True)
+    kernels = [qgemv.Tuning(256, 1, mt, 1) for mt in (1, 2, 4, 8)] + [mma]
+    picks = [qgemv.for_rows(kernels, m, mma_from=9) for m in (1, 2, 8, 9, 33, 65)]
+    assert [t.mma for t in picks] == [False, False, False, True, True, True]
+    assert [t.mt for t in picks[:3]] == [1, 2, 8]
+    assert qgemv.for_rows(kernels, 2, mma_from=2) is mma     # from the smallest GEMM
+    assert qgemv.for_rows([mma], 1, mma_from=33) is mma       # the only kernel takes every call
 
 
 def test_ring_sizes_worked_out_by_hand():

@@ -80,6 +80,7 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"gemm": "wmma"}), "tuning.qgemv.gemm", "is not one of"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
+    (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
     path = _write(tmp_path, mutate)

@@ -84,7 +84,7 @@ def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
 TUNE_GEMV = [*(qgemv.Tuning(256, r, 1, s) for r in (1, 2) for s in (1, 2, 4)),
              *(qgemv.Tuning(t, r, 1, s, st) for t in (128, 256) for r in (1, 2) for s in (1, 2) for st in (3, 4, 8))]
 TUNE_GEMM = [qgemv.Tuning(t, r, mt, 1, st) for t, r in ((256, 1), (256, 2), (128, 4)) for mt in (4, 8, 16)
-             for st in (0, 3)] + [qgemv.Tuning(256, 1, mt, 1, mma=True) for mt in (8, 16)]
+             for st in (0, 3)] + [qgemv.Tuning(256, 1, mt, 1, 3, mma=True) for mt in (16, 32)]
 # (rows per warp: each activation load serves that many rows; mma: int8 tensor cores, the formats that have them)
 TUNE_FORMATS = ("q4_k", "q6_k")  # Q4_K_M's two
 TUNE_MS = (1, 16, 64)

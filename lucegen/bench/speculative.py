@@ -12,7 +12,8 @@
              of BUDGETS nodes: accepted length and tok/s per budget
     verify   engines with a verifier() (the cuda ones): its target pass over a DDTree of each budget (the noisy
              oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget;
-             the spec's DDTree budget among them)
+             the spec's DDTree budget among them); for the whole-tree verifier (TreeVerifier) each kernel kind's
+             time in that pass at BREAKDOWN_BUDGETS, timed launch by launch (verify_kernel_us_<kind>)
     draft    a cuda LayeredEngine whose target the bundled DFlash draft config fits (the 27B): the GPU draft's
              forward, context append and device top-K, the tree build, walk and commit on the real shapes, and
              their sum with the verify: one round at accepted length 8 (spec_round_ms_al8, spec_round_tok_s_al8,
@@ -40,10 +41,11 @@ from ..spec_decode.decode import DraftFn
 from . import draft_parts
 from .engines import open_engine
 from .results import Recorder
-from .timing import host_median_ms
+from .timing import by_kind, host_median_ms, launch_times
 
 ACCEPT_LENGTHS = (4, 6, 8, 10)
 BUDGETS = (2, 4, 8, 16, 32, 64)
+BREAKDOWN_BUDGETS = (16, 64)
 SWEEP_ACCURACY = 0.8
 SWEEP_DRAFT = f"oracle, right with probability {SWEEP_ACCURACY}, else second"
 DEPTH = 15  # draft positions per round (DFlash: block size 16 - 1)
@@ -154,6 +156,8 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
             tree = build_tree(logprobs, b, root=context[-1])
             verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
             times[b] = (len(tree.tokens), host_median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
+            if b in BREAKDOWN_BUDGETS:
+                verify_kernels(rec, verifier, name, b, times[b][1])
         step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
     finally:
         verifier.free()
@@ -162,6 +166,26 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         rec.record("spec_verify_ms", name, ms, "ms", step_ms, budget=b, nodes=nodes, verifier=type(verifier).__name__)
         print(f"  verify, budget {b} ({nodes} nodes): {ms:.2f} ms = {ms / step_ms:.1f} decode steps")
     return {b: ms for b, (_, ms) in times.items()}, step_ms
+
+
+def verify_kernels(rec: Recorder, verifier, name: str, budget: int, ms: float) -> None:
+    """The last forward of a TreeVerifier (a layer-by-layer step over the tree's N nodes) again, kernel by kernel
+    (timing.launch_times, behind replays of its graph): each kernel kind's microseconds in one verify
+    (verify_kernel_us_<kind>), longest first. Other verifiers: nothing."""
+    step, mixer = getattr(verifier, "step", None), getattr(verifier, "mixer", None)
+    tree = getattr(mixer, "tree", None)
+    if tree is None:
+        return
+    graph = step.graphs[verifier, "tree", tree.n, tree.levels]
+    launches = launch_times(lambda stream: step.enqueue(tree.n, stream, mixer), graph, ms, step.stream)
+    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
+    total = sum(us for _, (us, _, _) in kinds)
+    print(f"  verify of {tree.n} nodes kernel by kernel ({total:.0f} us timed one by one, {ms * 1e3:.0f} us the "
+          f"graph with logits to the host):")
+    for kind, (us, n, _) in kinds:
+        print(f"    {kind:<28} {n:>5} launches {us:>9.1f} us {us / total:>6.1%}")
+        rec.record(f"verify_kernel_us_{kind}", name, us, "us", None, budget=budget, nodes=tree.n, launches=n,
+                   share=round(us / total, 3))
 
 
 def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: str | None = None,

@@ -33,6 +33,9 @@ DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a block (the mma's M), threads (a warp per 4 lane classes)
+# qgemm_mma's M-tile and ring depth on the spec's GEMMs. Measured on the H200 (27B shapes, M = 2 .. 65; st = stages):
+# mt16 st2 beat mt8 st3, mt16 st3 and mt32 st2 from M = 17 up; st3 at mt16 leaves Q6_K one block an SM.
+MMA_M_TILE, MMA_STAGES = 16, 2
 
 
 @dataclass(frozen=True)
@@ -228,11 +231,12 @@ class Tuning:
     mt: int          # activation rows per block (1: the GEMV)
     span: int        # K-slices per item (a warp's unit of loads)
     stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
-    mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: 16 rows a block, 8 warps; rows, span, stages unused)
+    mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: 16 rows a block, 8 warps, a block-wide ring of
+                       # `stages` slices; rows and span unused)
 
     def name(self, fmt: Format, k: int) -> str:
         if self.mma:
-            return f"qgemm_mma_m{self.mt}_{fmt.name}_k{k}_t{self.threads}"
+            return f"qgemm_mma_m{self.mt}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
         return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
@@ -242,9 +246,12 @@ class Tuning:
 
     def smem(self, fmt: Format) -> int:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
-        32 lane classes' sums of the block's 16 x mt outputs."""
+        larger of the block's ring (`stages` slices of its 16 rows and mt activation rows, each row's slot an odd
+        number of 16-byte words) and the 32 lane classes' sums of its 16 x mt outputs, which reuse the ring's memory."""
         if self.mma:
-            return 32 * MMA_ROWS * self.mt * 4
+            odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
+            stage = MMA_ROWS * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
+            return max(self.stages * stage, 32 * MMA_ROWS * self.mt * 4)
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
     def grid(self, n: int, m: int) -> int:
@@ -257,21 +264,27 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it take the GEMM on int8 tensor cores, in M-tiles of 8."""
+    that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_STAGES), which calls of at least
+    gemm_mma_from rows take (for_rows)."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
-    if q.gemm == "mma" and fmt.mma:
-        gemms = [Tuning(MMA_THREADS, 1, 8, 1, mma=True)]  # (M-tiles of 16 spill Q6_K past 128 registers)
-    else:
-        gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
-                 for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile]
+    mma = q.gemm == "mma" and fmt.mma
+    gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
+             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
+    if mma:
+        gemms.append(Tuning(MMA_THREADS, 1, MMA_M_TILE, 1, MMA_STAGES, mma=True))
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 
 
-def for_rows(kernels: Sequence[Tuning], m: int) -> Tuning:
-    """The kernel for M rows: the GEMV for one, else the smallest M-tile holding them, else the largest."""
-    fits = [t for t in kernels if t.mt >= m and (m == 1 or t.mt > 1)]
-    return min(fits, key=lambda t: t.mt) if fits else max(kernels, key=lambda t: t.mt)
+def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
+    """The kernel for M rows: the int8 mma GEMM where there is one and M >= mma_from (or it is the only kernel);
+    else the GEMV for one row, the smallest M-tile holding them, or the largest."""
+    mma = [t for t in kernels if t.mma]
+    rest = [t for t in kernels if not t.mma]
+    if mma and (not rest or m >= max(2, mma_from)):
+        return mma[0]
+    fits = [t for t in rest if t.mt >= m and (m == 1 or t.mt > 1)]
+    return min(fits, key=lambda t: t.mt) if fits else max(rest, key=lambda t: t.mt)
 
 
 # ---- which (format, K) pairs a model needs -------------------------------------------------------------------
@@ -353,6 +366,7 @@ class QMatmul:
         self.fmt, self.k = fmt_of(fmt), k
         self.row_bytes = self.fmt.row_bytes(k)
         self.tunings = list(kernels or tunings(spec, self.fmt, k))
+        self.mma_from = spec.tuning.qgemv.gemm_mma_from
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
         for t, kernel in self.kernels.items():
             if t.smem(self.fmt) > 48 * 1024:  # past the default dynamic shared memory: opt in
@@ -392,7 +406,7 @@ class QMatmul:
         self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, smem=t.smem(self.fmt), stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
-        return for_rows(self.tunings, m)
+        return for_rows(self.tunings, m, self.mma_from)
 
 
 class Dequant:

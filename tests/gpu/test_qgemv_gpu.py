@@ -38,7 +38,8 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 # formats that have them): the same arithmetic, so the same bits
 VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning(128, 1, 16, 1),
             qgemv.Tuning(256, 2, 4, 2), qgemv.Tuning(256, 1, 1, 2, 4), qgemv.Tuning(128, 2, 1, 1, 2),
-            qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 8, 1, mma=True), qgemv.Tuning(256, 1, 16, 1, mma=True)]
+            qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 8, 1, 3, mma=True),
+            qgemv.Tuning(256, 1, 16, 1, 2, mma=True)]
 
 
 @pytest.fixture(scope="module", params=["device", "rtx3090"])
