@@ -67,11 +67,13 @@ class GpuDraft:
     """The DFlash draft on the GPU. draft_weights: float32 by checkpoint name (model.draft.load_draft); target:
     the target's weights on the device (a LayeredWeights, or anything with its `embed` and `lm_head` Projections);
     max_context: the longest sequence (positions) it will see; window: ring rows (default the spec's
-    tuning.draft.window, capped at max_context)."""
+    tuning.draft.window, capped at max_context); stream: where its work goes (default: a stream of its own; the
+    target step's, so that appends of the step's features follow the step that wrote them, is not destroyed by
+    free())."""
 
     def __init__(self, spec: ChipSpec, cfg: DraftConfig, draft_weights: Mapping[str, np.ndarray], target,
                  target_cfg: ModelConfig, max_context: int, window: int | None = None, chunk: int = DEFAULT_CHUNK,
-                 root: Path = BUILD_DIR):
+                 root: Path = BUILD_DIR, stream: Stream | None = None):
         cfg.check_target(target_cfg)
         if problem := draft_kernels.shape_problem(spec, cfg) or layered.shape_problem(spec, target_cfg):
             raise ValueError(problem)
@@ -99,7 +101,8 @@ class GpuDraft:
         for fmt, k in sorted(pairs):
             qmods.setdefault(fmt, result.module(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
-        self.stream = Stream(programmatic=spec.tuning.layered.pdl)
+        self.own_stream = stream is None
+        self.stream = Stream(programmatic=spec.tuning.layered.pdl) if stream is None else stream
         self.graph: Graph | None = None
         self.length = 0  # context tokens appended since reset()
         self._allocate()
@@ -297,4 +300,5 @@ class GpuDraft:
         for op in self.mm.values():
             if op.xq is not None:
                 op.xq.free()
-        self.stream.destroy()
+        if self.own_stream:
+            self.stream.destroy()

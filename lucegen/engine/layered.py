@@ -21,6 +21,12 @@ through the same kernels, so each node's logits are its decode step's.
 
 The step reads its position and token ids from the device (io = [position, ids...]) and is captured once per m
 (per tree shape for a verify) in a CUDA graph: a step is one graph launch, with no host round trip inside it.
+
+Target features (capture_features, for a DFlash draft): the hidden states after some layers (HF hidden_states[i +
+1]: the residual stream after layer i, which the next add + RMSNorm forms; after the last layer, the final norm's
+output), each row's copied by the place kernel into its column block of `features` [rows, layers x hidden] as part
+of every step and verify; LayeredStep.commit_rows hands the rows of committed tokens to the step's `follower`
+(lucegen/engine/layered_draft.py: the GPU draft's context).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import numpy as np
 from ..codegen.build import BUILD_DIR, build
 from ..kernels import argmax, layered, qgemv, tree
 from ..model.config import LINEAR, ModelConfig
+from ..model.draft_config import DraftConfig
 from ..model.gguf_file import GGUFCheckpoint
 from ..runtime import DeviceArray, Graph, Stream
 from ..spec import ChipSpec, spec_for_current_device
@@ -110,6 +117,9 @@ class LayeredStep:
         self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}
         self._allocate(self.max_rows)
+        self.feature_layers: tuple[int, ...] = ()  # capture_features
+        self.features: DeviceArray | None = None
+        self.follower = None  # takes follow(rows, position) of committed tokens (commit_rows)
 
     def _allocate(self, n: int) -> None:
         c, W = self.cfg, self.weights
@@ -130,6 +140,29 @@ class LayeredStep:
             for width in (c.hidden_size, c.value_dim, c.intermediate_size))
         self.logits = DeviceArray.empty((n, c.vocab_size), np.float32)
         self.tokens = DeviceArray.empty(n, np.int32)
+
+    def capture_features(self, layer_ids: Sequence[int]) -> DeviceArray:
+        """From now on every step and verify also writes each row's target features into `features`, fp32
+        [max_rows, len(layer_ids) x hidden]: block j of a row is the hidden state after layer layer_ids[j] (HF
+        hidden_states[layer_ids[j] + 1]). Graphs captured before (without the copies) are dropped."""
+        c = self.cfg
+        if not layer_ids or not all(0 <= i < c.num_hidden_layers for i in layer_ids):
+            raise ValueError(f"feature layers {list(layer_ids)}: the target has layers 0 .. {c.num_hidden_layers - 1}")
+        for key in list(self.graphs):
+            self.graphs.pop(key).destroy()
+        if self.features is not None:
+            self.features.free()
+        self.feature_layers = tuple(layer_ids)
+        self.features = DeviceArray.empty((self.max_rows, len(layer_ids) * c.hidden_size), np.float32)
+        return self.features
+
+    def capture(self, layer: int, x: DeviceArray, m: int, stream) -> None:
+        """Rows x [m, hidden], the hidden states after `layer`, into the column blocks of `features` that hold
+        that layer's (none unless capture_features asked for it)."""
+        H = self.cfg.hidden_size
+        for j, i in enumerate(self.feature_layers):
+            if i == layer:
+                self.kernels.place(x, self.features, H, self.features.shape[1], j * H, m, stream=stream)
 
     def quantized(self, k: int) -> bool:
         """Whether a matrix of row width k multiplies quantized activations (a part in a quantized format)."""
@@ -156,6 +189,7 @@ class LayeredStep:
         for i, kind in enumerate(c.layer_types):
             L = W.layers[i]
             add_norm(None if i == 0 else self.y, L["ln1"])
+            self.capture(i - 1, residual[0], m, stream)  # the residual stream after layer i - 1
             if kind == LINEAR:
                 mixed = mixer.in_rows(i)
                 self.project(L["lin_in"], self.h, mixed, m, stream, hq)
@@ -171,6 +205,7 @@ class LayeredStep:
             k.silu_mul(self.proj, self.act, m, stream=stream, xq=actq)
             self.project(L["down"], self.act, self.y, m, stream, actq)
         add_norm(self.y, W.final_norm)
+        self.capture(c.num_hidden_layers - 1, self.h, m, stream)  # HF's last hidden state: the final norm's output
         V = c.vocab_size
         self.project(W.lm_head, self.h, self.logits, m, stream, hq)
         for t in range(m):
@@ -230,7 +265,14 @@ class LayeredStep:
 
     def _replay(self, m: int) -> None:
         self.replay((self, m), lambda stream: self.enqueue(m, stream))
-        self.state.position += m
+        self.commit_rows(range(m))
+
+    def commit_rows(self, rows: Sequence[int]) -> None:
+        """The tokens of `rows` of the last step or verify (in order) are now in the state: the position moves past
+        them, and the follower (if any) takes their rows, queued on the stream before the next launch."""
+        if self.follower is not None:
+            self.follower.follow(rows, self.state.position)
+        self.state.position += len(rows)
 
     def wait(self) -> None:
         self.stream.synchronize()
@@ -239,7 +281,7 @@ class LayeredStep:
         for g in self.graphs.values():
             g.destroy()
         for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed,
-                  self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq):
+                  self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq, self.features):
             if a is not None:
                 a.free()
         self.tree.free()
@@ -255,7 +297,9 @@ def weight_source(weights: Mapping[str, np.ndarray] | Source, config: ModelConfi
 
 class LayeredEngine(Speculating):
     """One sequence through the layer-by-layer step (the Engine interface): prompts in chunks of up to
-    `chunk` tokens, then one step per generated token."""
+    `chunk` tokens, then one step per generated token. gpu_draft() attaches a DFlash draft that runs on the GPU
+    from the step's own target features."""
+    draft = None  # the LayeredDraft of gpu_draft()
 
     def __init__(self, weights: Mapping[str, np.ndarray] | Source, config: ModelConfig,
                  spec: ChipSpec | None = None, max_context: int | None = None, chunk: int = 16,
@@ -266,6 +310,7 @@ class LayeredEngine(Speculating):
         self.weights = LayeredWeights(weight_source(weights, config))
         self.state = DeviceState(config, self.max_context)
         self.step = LayeredStep(self.spec, self.weights, self.state, chunk, build_root)
+        self.build_root = build_root
 
     @property
     def position(self) -> int:
@@ -307,8 +352,21 @@ class LayeredEngine(Speculating):
         from .layered_verify import TreeVerifier  # here: it imports this module
         return TreeVerifier(self.step)
 
+    def gpu_draft(self, cfg: DraftConfig, draft_weights: Mapping[str, np.ndarray]):
+        """A DFlash draft (DraftConfig cfg, float32 weights by checkpoint name) on the GPU that follows this
+        engine's committed tokens (lucegen/engine/layered_draft.py): a draft_fn for a Speculation. Replaces the
+        one attached before."""
+        from .layered_draft import LayeredDraft  # here: it imports this module
+        if self.draft is not None:
+            self.draft.free()
+        self.draft = LayeredDraft(self.step, cfg, draft_weights, root=self.build_root)
+        return self.draft
+
     def free(self) -> None:
         self.free_speculation()
+        if self.draft is not None:
+            self.draft.free()
+            self.draft = None
         self.step.free()
         self.state.free()
         self.weights.free()

@@ -7,7 +7,8 @@ attention_kv (node n's K/V into cache row start + n) and the ancestor-masked att
 start + depth[n]. The kernels are those the step decodes with (a decode step is their 1-node tree), so node n's
 logits are bit for bit those of decoding it after its ancestors. commit(path) replays the accepted path into the
 DeltaNet states and conv rings from the in-projection rows the forward kept per DeltaNet layer, and moves the
-path's K/V rows to start .. start + len - 1: no second target pass.
+path's K/V rows to start .. start + len - 1: no second target pass. With the step capturing target features, node
+n's are row n, and the commit hands the path's rows to the step's follower (LayeredStep.commit_rows).
 
 Both are captured as CUDA graphs, the forward per (N, DeltaNet stack levels), the commit per (N, path length); the
 committed position is read from the step's io on the device.
@@ -94,8 +95,8 @@ class TreeVerifier:
             raise ValueError("tree verify: commit() before forward()")
         length = s.tree.set_path(t, path, stream=s.stream)
         s.replay((self, "commit", t.n, length), lambda stream: self.mixer.commit(length, stream))
+        s.commit_rows(path)  # node n's features are row n of the forward's
         s.wait()
-        s.state.position += length
         self.mixer.tree = None
 
     def free(self) -> None:

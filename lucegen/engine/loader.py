@@ -5,10 +5,11 @@ is the lazily read checkpoint (lucegen.model.weights.LazyWeights, with .config; 
 quantized bytes) and `spec` the chip spec name or path given with --spec (None when not given). None marks a
 backend that is planned but not written yet. The cuda backend runs the decode megakernel where it holds the model
 (bf16) and the layer-by-layer step (engine/layered.py) otherwise, e.g. for a GGUF file. A DFlash draft (--draft)
-runs on the numpy reference on either backend, reading the target's features from a numpy forward of the context
-(a host copy of the target's weights on the cuda backend); the cuda backend verifies its trees node by node
-through the megakernel's decode step (lucegen/spec_decode/device.py), or in one forward of the layer-by-layer step
-(lucegen/engine/layered_verify.py).
+runs on the GPU beside the layer-by-layer step, from the target features the step captures
+(lucegen/engine/layered_draft.py), its trees verified in one forward of the step (lucegen/engine/layered_verify.py);
+on the numpy backend and beside the megakernel it runs on the numpy reference, reading the target's features from a
+numpy forward of the context (a host copy of the target's weights on the cuda backend), the megakernel's trees
+verified node by node through its decode step (lucegen/spec_decode/device.py).
 """
 from __future__ import annotations
 
@@ -96,15 +97,27 @@ def load_model(model: str | Path, backend: str = "numpy", *, max_context: int | 
     folder = tokenizer or (Path(model).parent if str(model).endswith(".gguf") else weights.dir)
     engine = BACKENDS[backend](weights, max_context, spec)
     if draft is not None:
-        from ..reference.dflash import dflash_draft_fn  # here: spec_decode imports the engine's sampler
-        from ..spec_decode.decode import Speculation
+        from ..spec_decode.decode import Speculation  # here: spec_decode imports the engine's sampler
         draft_cfg, draft_weights = load_draft(draft, weights.config)
         budget = budget or (load_spec(spec).tuning.ddtree.budget if spec else DDTreeTuning.budget)
-        target = engine.weights if backend == "numpy" else {
-            name: np.asarray(w, np.float32) for name, w in weights.load_all(progress=False).items()}
-        engine.speculation = Speculation(dflash_draft_fn(draft_weights, target, draft_cfg, weights.config),
-                                         draft_cfg.block_size - 1, budget, chain)
+        try:
+            draft_fn = _draft_fn(engine, backend, weights, draft_cfg, draft_weights)
+        except ValueError as e:  # a draft shape the GPU draft's kernels do not take on this chip
+            raise LoadError(f"{draft}: {e}") from None
+        engine.speculation = Speculation(draft_fn, draft_cfg.block_size - 1, budget, chain)
     return engine, Tokenizer.from_dir(folder)
+
+
+def _draft_fn(engine: Engine, backend: str, weights: LazyWeights, draft_cfg, draft_weights):
+    """The DFlash draft_fn: on the GPU for an engine that has one (LayeredEngine.gpu_draft), else the numpy
+    reference's, which runs the target over the context each round (on a host copy of its weights on the cuda
+    backend)."""
+    if hasattr(engine, "gpu_draft"):
+        return engine.gpu_draft(draft_cfg, draft_weights)
+    from ..reference.dflash import dflash_draft_fn
+    target = engine.weights if backend == "numpy" else {
+        name: np.asarray(w, np.float32) for name, w in weights.load_all(progress=False).items()}
+    return dflash_draft_fn(draft_weights, target, draft_cfg, weights.config)
 
 
 def model_name(model: str | Path) -> str:

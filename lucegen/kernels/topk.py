@@ -127,6 +127,10 @@ class TopKKernel:
             stream.synchronize()
         return TopK(ids.numpy().astype(np.int64), logprobs.numpy())
 
+    def free(self) -> None:
+        for a in (self.lists, self.stats, self.tickets, self.ids, self.logprobs):
+            a.free()
+
 
 def device_topk(kernel: TopKKernel, logits_device: DeviceArray, n: int, vocab: int, k: int, stream=None) -> TopK:
     """A draft's best k tokens per position (rows of logits_device [n, vocab] on the device) as DDTree's TopK.
