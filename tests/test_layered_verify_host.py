@@ -72,6 +72,8 @@ def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, 
     for n in range(len(parents)):
         np.testing.assert_array_equal(logits[n], after(engine, context, tokens[ancestry(parents, n)]),
                                       err_msg=f"node {n} of {list(parents)}")
+    after(engine, context)
+    np.testing.assert_array_equal(verifier.forward_argmax(tokens, parents), logits.argmax(axis=-1))  # greedy's pass
     verifier.free()
 
 

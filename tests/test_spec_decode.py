@@ -20,7 +20,8 @@ from lucegen.spec_decode import (
     speculative_generate,
     tree_forward,
 )
-from lucegen.spec_decode.decode import ORACLE_TOP
+from lucegen.engine.sampling import Sampler
+from lucegen.spec_decode.decode import ORACLE_TOP, ReferenceVerifier, speculative_round
 from lucegen.spec_decode.tree import TopK, top_k_ids
 
 CFG = tiny_config()
@@ -110,6 +111,36 @@ DRAFTS = {
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_greedy_is_plain_greedy(draft, chain):
     assert speculative_generate(WEIGHTS, CFG, PROMPT, 48, DRAFTS[draft](), budget=24, chain=chain) == REF
+
+
+class ArgmaxVerifier(ReferenceVerifier):
+    """The reference verifier with forward_argmax (as the GPU's TreeVerifier has): records which pass each round
+    took."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.passes = []
+
+    def forward(self, tokens, parents):
+        self.passes.append("logits")
+        return super().forward(tokens, parents)
+
+    def forward_argmax(self, tokens, parents):
+        self.passes.append("argmax")
+        return super().forward(tokens, parents).argmax(axis=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_greedy_rounds_take_the_argmax_pass(temperature):
+    """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and still give plain greedy
+    decoding's tokens; sampled rounds need the logits."""
+    verifier = ArgmaxVerifier(WEIGHTS, CFG, State())
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
+    out = [sampler(prefill(WEIGHTS, CFG, PROMPT, verifier.state)[-1])]
+    while len(out) < 24:
+        out += speculative_round(verifier, [*PROMPT, *out], 7, DRAFTS["noisy oracle"](), 8, sampler)
+    assert set(verifier.passes) == {"argmax" if temperature == 0 else "logits"}
+    if temperature == 0:
+        assert out[:24] == REF[:24]
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9, 17])

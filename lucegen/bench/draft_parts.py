@@ -44,7 +44,7 @@ from ..model.config import ConfigError, ModelConfig
 from ..model.draft_config import DraftConfig
 from ..reference.dflash import draft_weight_shapes
 from ..reference.weights import tensor_rng
-from ..spec_decode import build_tree, walk
+from ..spec_decode import build_tree, chosen, walk
 from .timing import host_median_ms
 
 DRAFT_CONFIG_NAME = "qwen3.5-27b-dflash-draft"
@@ -211,7 +211,7 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
         if len(path) != ACCEPTED:
             raise RuntimeError(f"the tree's node {ACCEPTED - 1} is at depth {len(path) - 1}, not on the chain")
         logits = verifier.forward(tree.tokens, tree.parents)
-        walk_ms = timed_ms(lambda: walk(tree, logits, Sampler(GREEDY)))
+        walk_ms = timed_ms(lambda: walk(tree, chosen(logits, Sampler(GREEDY))))
 
         def commit_once() -> float:
             verifier.forward(tree.tokens, tree.parents)

@@ -36,7 +36,7 @@ from ..engine.numpy_backend import NumpyEngine
 from ..engine.sampling import Sampler, SamplingParams
 from ..reference.model import State, prefill
 from ..spec import DDTreeTuning
-from ..spec_decode import Speculation, build_tree, commit, oracle_draft, tree_forward, walk
+from ..spec_decode import Speculation, build_tree, chosen, commit, oracle_draft, tree_forward, walk
 from ..spec_decode.decode import DraftFn
 from . import draft_parts
 from .engines import open_engine
@@ -75,14 +75,14 @@ def parts(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: S
     logprobs = draft_fn(context, depth)
     tree = build_tree(logprobs, budget, root=context[-1])
     logits, nodes = tree_forward(weights, cfg, committed, tree.tokens, tree.parents)
-    accepted, _ = walk(tree, logits, sampler)
+    accepted, _ = walk(tree, chosen(logits, sampler))
     engine.reset()
     engine.prefill(prompt_ids)
     step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
     costs = {"draft": host_median_ms(lambda: draft_fn(context, depth), repeat),
              "tree": host_median_ms(lambda: build_tree(logprobs, budget, root=context[-1]), repeat),
              "verify": host_median_ms(lambda: tree_forward(weights, cfg, committed, tree.tokens, tree.parents), repeat),
-             "walk": host_median_ms(lambda: walk(tree, logits, Sampler(GREEDY)), repeat),
+             "walk": host_median_ms(lambda: walk(tree, chosen(logits, Sampler(GREEDY))), repeat),
              "commit": host_median_ms(lambda: commit(committed, nodes, accepted), repeat)}
     extra = dict(budget=budget, nodes=len(tree.tokens), depth=depth, accepted=len(accepted) - 1, draft=label)
     rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))

@@ -70,12 +70,24 @@ class TreeMixer:
 
 class TreeVerifier:
     """The Verifier of a LayeredStep's sequence: forward(tokens, parents) -> logits [N, vocab] after the committed
-    state (parents topologically ordered, parents[0] = -1), then commit(path) of an accepted path (root first)."""
+    state (parents topologically ordered, parents[0] = -1), or forward_argmax -> their argmax [N], then
+    commit(path) of an accepted path (root first)."""
 
     def __init__(self, step: LayeredStep):
         self.step, self.mixer = step, TreeMixer(step)
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        n = self._run(tokens, parents)
+        return self.step.logits.view((n, self.step.cfg.vocab_size)).numpy()
+
+    def forward_argmax(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """forward's pass, returning each node's argmax [N] (the step's device argmax, numpy's rule) instead of
+        N x vocab logits: what a greedy round walks."""
+        n = self._run(tokens, parents)
+        return self.step.tokens.view(n).numpy()
+
+    def _run(self, tokens: Sequence[int], parents: Sequence[int]) -> int:
+        """The tree's pass (one graph launch), waited for; returns its node count."""
         s, n = self.step, len(tokens)
         if len(parents) != n:
             raise ValueError(f"tree verify: {n} tokens but {len(parents)} parents")
@@ -87,7 +99,7 @@ class TreeVerifier:
         s.upload(ids)
         s.replay((self, "tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
         s.wait()
-        return s.logits.view((n, s.cfg.vocab_size)).numpy()
+        return n
 
     def commit(self, path: Sequence[int]) -> None:
         s, t = self.step, self.mixer.tree

@@ -6,23 +6,31 @@ committed token is exactly what plain decoding would have produced at that prefi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from lucegen.engine.sampling import Sampler
 from lucegen.spec_decode.tree import Tree
 from lucegen.spec_decode.verify import commit
 
-__all__ = ["commit", "walk"]
+__all__ = ["chosen", "commit", "walk"]
 
 
-def walk(tree: Tree, logits: np.ndarray, sampler: Sampler) -> tuple[list[int], int]:
-    """The accepted nodes (root first) and the bonus token, the target's choice after the last of them.
+def walk(tree: Tree, pick: Callable[[int], int]) -> tuple[list[int], int]:
+    """The accepted nodes (root first) and the bonus token, the target's choice after the last of them; pick(node)
+    is the target's token at a node (chosen(logits, sampler), or its argmax from the device for greedy decoding).
 
     Only visited nodes are sampled: the same law as one independent draw per node, with fewer draws."""
     node, accepted = 0, [0]
-    token = sampler(logits[0])
+    token = pick(0)
     while token in tree.children[node]:
         node = tree.children[node][token]
         accepted.append(node)
-        token = sampler(logits[node])
+        token = pick(node)
     return accepted, token
+
+
+def chosen(logits: np.ndarray, sampler: Sampler) -> Callable[[int], int]:
+    """walk's pick from the tree's logits [N, vocab]: the sampler's draw (greedy: the argmax) at each node."""
+    return lambda node: sampler(logits[node])

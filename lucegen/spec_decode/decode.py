@@ -14,7 +14,7 @@ import numpy as np
 from lucegen.engine.sampling import Sampler, SamplingParams
 from lucegen.model.config import ModelConfig
 from lucegen.reference.model import State, Weights, prefill
-from lucegen.spec_decode.accept import commit, walk
+from lucegen.spec_decode.accept import chosen, commit, walk
 from lucegen.spec_decode.tree import TopK, build_tree
 from lucegen.spec_decode.verify import tree_forward
 
@@ -43,7 +43,9 @@ class Speculation:
 
 class Verifier(Protocol):
     """One target pass over a tree after a committed state, then the commit of an accepted path (root first).
-    ReferenceVerifier (numpy) and lucegen.spec_decode.device.NodeVerifier (a GPU engine) implement it."""
+    ReferenceVerifier (numpy) and lucegen.spec_decode.device.NodeVerifier (a GPU engine) implement it. A verifier
+    may also have forward_argmax(tokens, parents) -> the argmax of each node's logits [N] (numpy's rule: the lowest
+    index on ties), which greedy rounds use instead of copying N x vocab logits to the host."""
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
 
@@ -70,8 +72,11 @@ def speculative_round(verifier: Verifier, context_ids: Sequence[int], n: int, dr
     positions, one target pass over the tree, the walk, the commit of the accepted path. Returns the new tokens
     (the accepted draft tokens, then the bonus token, the next root)."""
     tree = build_tree(draft_fn(context_ids, n), budget, root=context_ids[-1], top_k=1 if chain else None)
-    logits = verifier.forward(tree.tokens, tree.parents)
-    accepted, bonus = walk(tree, logits, sampler)
+    if sampler.params.temperature == 0 and hasattr(verifier, "forward_argmax"):  # greedy: N ids, not N x vocab
+        ids = verifier.forward_argmax(tree.tokens, tree.parents)
+        accepted, bonus = walk(tree, lambda node: int(ids[node]))
+    else:
+        accepted, bonus = walk(tree, chosen(verifier.forward(tree.tokens, tree.parents), sampler))
     verifier.commit(accepted)
     return [tree.tokens[a] for a in accepted[1:]] + [bonus]
 
