@@ -311,6 +311,14 @@ def after(engine, context, tokens=()) -> np.ndarray:
     return logits
 
 
+def plain_greedy(engine, prompt, n: int) -> list[int]:
+    """n greedy tokens after `prompt` from a reset engine, one decode step each."""
+    out = [int(np.argmax(after(engine, prompt)))]
+    while len(out) < n:
+        out.append(int(np.argmax(engine.decode(out[-1]))))
+    return out
+
+
 def assert_speculation_is_plain_greedy(engine, prompt, n: int, depth: int, budget: int, chain: bool,
                                        seed: int) -> None:
     """engine.speculate through its TreeVerifier with a noisy oracle draft of plain greedy decoding (accuracy 0.8)
@@ -318,9 +326,7 @@ def assert_speculation_is_plain_greedy(engine, prompt, n: int, depth: int, budge
     from lucegen.engine.layered_verify import TreeVerifier
     from lucegen.engine.sampling import Sampler, SamplingParams
     from lucegen.spec_decode import Speculation, oracle_draft
-    plain = [int(np.argmax(after(engine, prompt)))]
-    while len(plain) < n:
-        plain.append(int(np.argmax(engine.decode(plain[-1]))))
+    plain = plain_greedy(engine, prompt, n)
     draft = oracle_draft(plain, len(prompt), engine.config.vocab_size, accuracy=0.8, seed=seed)
     engine.speculation = Speculation(draft, depth=depth, budget=budget, chain=chain)
     out, rounds, greedy = [int(np.argmax(after(engine, prompt)))], 0, Sampler(SamplingParams(temperature=0))

@@ -11,20 +11,16 @@ family's unit compiled (NVRTC) for small draft shapes on every spec (tests/test_
 27B draft's with every family)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lucegen.engine.draft_gpu as draft_gpu_mod
 from lucegen.codegen.build import build
 from lucegen.engine.draft_gpu import GpuDraft
 from lucegen.engine.layered_weights import LayeredWeights, Source
 from lucegen.kernels import draft, qgemv
-from lucegen.kernels.layered import silu_mul_reference
 from lucegen.model.config import tiny_config
 from lucegen.model.draft_config import tiny_draft_config
 from lucegen.model.quants import GGMLType, dequantize
@@ -33,9 +29,8 @@ from lucegen.reference.dflash import draft_attention, draft_forward, random_draf
 from lucegen.reference.ops import rope_cos_sin
 from lucegen.spec import list_specs, load_spec
 
-from host_kernels import on_host, rows_of, store
-from host_layered import (ActivationQuantized, HostGraph, HostStream, LayeredHostKernel, QuantizedSource, _array,
-                          write_xblocks)
+from host_draft import draft_on_host
+from host_layered import ActivationQuantized, QuantizedSource
 
 RTOL = 1e-5
 TARGET = tiny_config()
@@ -45,85 +40,6 @@ DRAFT = tiny_draft_config(TARGET)
 def bf16_rounded(weights: dict) -> dict:
     """Matrices rounded to bf16 (what the device holds), vectors as they are (fp32 on the device)."""
     return {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v) for k, v in weights.items()}
-
-
-# ---- the emulation ----------------------------------------------------------------------------------------------
-class DraftHostKernel(LayeredHostKernel):
-    """The draft family's kernels by their numpy references; the others as tests/host_layered.py runs them."""
-
-    def __init__(self, cfg, name: str, unit: str, draft_cfg):
-        super().__init__(cfg, name, unit)
-        self.draft = draft_cfg
-
-    def run(self, grid, args) -> None:
-        if not self.name.startswith("draft_"):
-            return super().run(grid, args)
-        d, name = self.draft, self.name
-        H, I, B = d.hidden_size, d.intermediate_size, d.block_size
-        nh, nkv, hd, L = d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.num_hidden_layers
-        rows = nh // nkv * B
-        if name == "draft_rmsnorm":
-            x, y, w, x_out, h, xq = args
-            m = grid[0]
-            x1, h1 = draft.rmsnorm_reference(rows_of(x, m, H), None if _array(y) is None else rows_of(y, m, H), w.a,
-                                             d.rms_norm_eps)
-            store(rows_of(x_out, m, H), x1)
-            store(rows_of(h, m, H), h1)
-            write_xblocks(xq, rows_of(h, m, H))
-        elif name == "draft_silu_mul":
-            gate_up, act = args
-            store(rows_of(act, grid[0], I), silu_mul_reference(rows_of(gate_up, grid[0], 2 * I)))
-        elif name == "draft_block_qkv":
-            qkv, q_norm, k_norm, io, q, k, v = args
-            assert grid[0] == B
-            outs = draft.block_qkv_reference(d, rows_of(qkv, B, (nh + 2 * nkv) * hd), q_norm.a, k_norm.a,
-                                             int(io.a[0]))
-            for dst, val in zip((q, k, v), outs):
-                store(dst.a.reshape(-1)[:val.size], val.ravel())
-        elif name == "draft_context_kv":
-            kv, k_norms, pos, slot0, window, keys, values = args
-            T, layers = grid
-            assert layers == L
-            kk, vv = draft.context_kv_reference(d, rows_of(kv, T, L * 2 * nkv * hd), k_norms.a.reshape(L, hd),
-                                                pos.a[:T])
-            slots = draft.ring_slots(slot0, T, window)
-            for ring, val in ((keys, kk), (values, vv)):
-                r = ring.a.reshape(L, window, nkv, hd)
-                r[:, slots] = val.transpose(1, 0, 2, 3)
-        elif name == "draft_attention":
-            q, bk, bv, ring_k, ring_v, n_ctx, part_o, part_ml = args
-            assert grid[0] == nkv
-            n, splits = int(n_ctx.a[0]), grid[1]
-            po, pml = draft.attention_partials(q.a.reshape(B, nh, hd), bk.a.reshape(B, nkv, hd),
-                                               bv.a.reshape(B, nkv, hd), ring_k.a, ring_v.a, n, splits)
-            done = len(draft.split_ranges(n + B, splits))  # the kernel writes the non-empty splits alone
-            part_o.a.reshape(nkv, splits, rows, hd)[:, :done] = po[:, :done]
-            part_ml.a.reshape(nkv, splits, rows, 2)[:, :done] = pml[:, :done]
-        elif name == "draft_merge":
-            part_o, part_ml, n_ctx, out = args
-            assert grid == (nkv, rows)
-            splits = part_o.size // (nkv * rows * hd)
-            merged = draft.merge_reference(part_o.a.reshape(nkv, splits, rows, hd),
-                                           part_ml.a.reshape(nkv, splits, rows, 2), int(n_ctx.a[0]), B, nh)
-            store(rows_of(out, B, nh * hd), merged)
-        else:
-            raise KeyError(f"no host stand-in for kernel {name}")
-
-
-def draft_on_host(monkeypatch, draft_cfg):
-    """Inside: GpuDraft runs on host memory with the kernels' numpy references."""
-    ctx = on_host(monkeypatch)
-    ctx.__enter__()
-    seen = {}
-
-    def fake_build(spec, cfg, unit_list, root=None):
-        seen["units"] = [u.name for u in unit_list]
-        return SimpleNamespace(module=lambda name: SimpleNamespace(
-            kernel=lambda k: DraftHostKernel(cfg, k, name, draft_cfg)))
-    monkeypatch.setattr(draft_gpu_mod, "build", fake_build)
-    monkeypatch.setattr(draft_gpu_mod, "Graph", HostGraph)
-    monkeypatch.setattr(draft_gpu_mod, "Stream", HostStream)
-    return ctx, seen
 
 
 @pytest.fixture
