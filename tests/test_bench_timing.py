@@ -119,11 +119,12 @@ def test_layered_step_kernel_kinds_drop_the_shape_and_keep_the_format():
         names = [k.name for u in (*layered.units(spec, cfg), *tree.units(spec, cfg),
                                   *qgemv.units(spec, cfg, qgemv.mix_pairs(cfg, "q4_k_m")), *argmax.units(spec, cfg))
                  for k in u.kernels]
+        mma = {"qgemm_mma_q4_k", "qgemm_mma_q6_k"} if spec.tuning.qgemv.gemm == "mma" else set()  # (its own kind)
         assert {kernel_kind(n) for n in names} == {
             "layered_embed", "layered_add_rmsnorm", "layered_silu_mul", "layered_place", "layered_deltanet_norm",
             "layered_advance", "tree_deltanet", "tree_attention_kv", "tree_attention", "tree_kv_commit",
             "qgemv_q4_k", "qgemm_q4_k", "qdequant_q4_k", "qgemv_q6_k", "qgemm_q6_k", "qdequant_q6_k", "qquant_x",
-            "argmax_f32"}, spec.name
+            "argmax_f32", *mma}, spec.name
 
 
 @pytest.mark.parametrize("stages", [0, 3])
