@@ -9,7 +9,7 @@ Items (bytes; GiB in the table):
 - draft weights: a DFlash draft's safetensors (their sizes, from the headers) or its config.json (bf16);
 - KV cache: ctx positions x the full-attention layers x K and V x KV heads x a head_dim row in the KV format;
 - DeltaNet state: per DeltaNet layer the fp32 recurrent state [Hv, dk, dv] and conv state [K-1, conv_dim];
-- DDTree state at the spec's budget, one of two ways to keep a verify lossless:
+- DDTree state at the spec's largest tree (tuning.ddtree.capacity), one of two ways to keep a verify lossless:
     persist: the fp32 recurrent state of every tree node in every DeltaNet layer (budget x layers x Hv x dk x dv
              x 4), written by the verify; commit copies the accepted node's;
     replay:  the node states of one layer at a time (the verify runs layer by layer) plus each node's state-update
@@ -233,7 +233,7 @@ def make_plan(spec: ChipSpec, model: ModelConfig, weights_by_type: dict[str, int
         raise PlanError(f"tree state {tree_state!r} is not one of {', '.join(TREE_STATES)}")
     if not 0 < ctx <= model.max_position_embeddings:
         raise PlanError(f"context {ctx} is outside 1 .. {model.max_position_embeddings} (the model's limit)")
-    budget = spec.tuning.ddtree.budget
+    budget = spec.tuning.ddtree.capacity  # what the engine allocates for (its largest tree)
     kinds = ", ".join(f"{t} {b / GIB:.2f}" for t, b in sorted(weights_by_type.items(), key=lambda kv: -kv[1]))
     m = model
     items = [Item("target weights", sum(weights_by_type.values()), f"{model.name}: {kinds} GiB")]
@@ -318,8 +318,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (PlanError, WeightError, kvformats.KVFormatError) as e:
         print(f"lucegen plan: {e}", file=sys.stderr)
         return 2
+    tree = spec.tuning.ddtree
+    trees = f", trees up to {tree.capacity}" if tree.capacity != tree.budget else ""
     print(f"lucegen plan: spec {spec.name} ({spec.chip.memory_bytes / GIB:.2f} GiB), model {model.name}, "
-          f"context {ctx}, KV {plan.kv_format}, DDTree budget {spec.tuning.ddtree.budget} ({plan.tree_state})\n")
+          f"context {ctx}, KV {plan.kv_format}, DDTree budget {tree.budget}{trees} ({plan.tree_state})\n")
     print(plan.table())
     for note in plan.notes:
         print(f"\nnote: {note}")

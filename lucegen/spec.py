@@ -109,6 +109,14 @@ class DDTreeTuning:
     budget: int = 22
     chain_seed: bool = True
     block_size: int = 16
+    max_budget: int | None = None  # the largest tree the GPU engines allocate and compile their tree kernels for
+                                   # (default: budget); above budget, a smaller tuned budget leaves larger trees
+                                   # verifiable (bench speculative's sweep, lucegen tune, --budget)
+
+    @property
+    def capacity(self) -> int:
+        """Nodes below the root a GPU engine's tree verify takes at most."""
+        return self.max_budget or self.budget
 
 
 @dataclass(frozen=True)
@@ -344,6 +352,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
             _fail(source, f"tuning.weight_formats[{i}]", f"{wf!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     if not 1 <= t.ddtree.budget <= 1024:
         _fail(source, "tuning.ddtree.budget", f"{t.ddtree.budget} must be between 1 and 1024")
+    if t.ddtree.max_budget is not None and not t.ddtree.budget <= t.ddtree.max_budget <= 1024:
+        _fail(source, "tuning.ddtree.max_budget", f"{t.ddtree.max_budget} must be between the budget "
+              f"({t.ddtree.budget}) and 1024")
     if t.ddtree.block_size < 2:
         _fail(source, "tuning.ddtree.block_size", "must be at least 2")
     if t.max_context < 1024:

@@ -227,6 +227,9 @@ def tune(spec: str, model: str, backend: str = "cuda", draft: str | None = None,
                f"{top.speedup:.2f}x autoregressive ({name}, {kind})")
     write_budget(chip.path, top.budget, comment)
     print(f"{chip.path}: tuning.ddtree.budget {chip.tuning.ddtree.budget} -> {top.budget}")
+    if chip.tuning.ddtree.max_budget is None and top.budget < chip.tuning.ddtree.capacity:
+        print(f"note: the engines now verify trees of at most {top.budget} nodes below the root; to keep larger ones "
+              f"(another sweep, --budget), set tuning.ddtree.max_budget: {chip.tuning.ddtree.capacity}")
     return 0
 
 

@@ -40,7 +40,8 @@ def changed_lines(before: str, after: str) -> list[tuple[str, str]]:
 def test_the_rewrite_changes_the_budget_line_alone(h200):
     before = h200.read_text()
     after = with_budget(before, 8, "measured here")
-    assert changed_lines(before, after) == [("    budget: 64\n", "    budget: 8  # measured here\n")]
+    line = next(line for line in before.splitlines(keepends=True) if line.startswith("    budget:"))
+    assert changed_lines(before, after) == [(line, "    budget: 8  # measured here\n")]
 
 
 def test_the_rewrite_finds_tuning_ddtree_budget_by_indentation_and_keeps_line_endings():
@@ -68,7 +69,7 @@ def test_write_puts_the_best_budget_into_the_spec_and_it_loads(h200, capsys):
     assert tune(str(h200), "tiny", "numpy", budgets=[2, 4, 8], write=True,
                 measure=fake({2: 10.0, 4: 5.0, 8: 40.0})) == 0
     (old, new), = changed_lines(before, h200.read_text())
-    assert old == "    budget: 64\n" and new.startswith("    budget: 8  # lucegen tune ")
+    assert old.startswith("    budget: ") and new.startswith("    budget: 8  # lucegen tune ")
     assert "40.0 tok/s" in new and "on CPU" in new and "oracle draft" in new
     spec = load_spec(h200)
     assert spec.tuning.ddtree.budget == 8
@@ -165,9 +166,10 @@ def test_lucegen_tune_end_to_end_with_the_oracle(h200, capsys):
 
 
 def test_lucegen_tune_with_a_dflash_draft(checkpoint, draft, h200, capsys):
+    budget = load_spec(h200).tuning.ddtree.budget
     assert main(["tune", "--spec", str(h200), "--backend", "numpy", "--model", str(checkpoint), "--draft",
                  str(draft), "--budgets", "1", "4", "--tokens", "6", "--prompts", "1"]) == 0
     out = capsys.readouterr().out
     assert f"draft: DFlash {draft}" in out and "oracle" not in out
     assert [line.split()[-1] for line in out.splitlines() if line.strip()[:1].isdigit()] == ["yes", "yes"]
-    assert load_spec(h200).tuning.ddtree.budget == 64  # no --write
+    assert load_spec(h200).tuning.ddtree.budget == budget  # no --write

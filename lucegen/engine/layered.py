@@ -88,7 +88,7 @@ class DecodeMixer:
 
 class LayeredStep:
     """step(ids) over a DeviceState: logits [m, vocab] and tokens [m] (argmax) on the device, for up to
-    `max_tokens` tokens a step; its buffers also hold a tree verify's rows (the spec's DDTree budget + the root)."""
+    `max_tokens` tokens a step; its buffers also hold a tree verify's rows (the spec's largest DDTree + the root)."""
 
     def __init__(self, spec: ChipSpec, weights: LayeredWeights, state: DeviceState, max_tokens: int = 16,
                  root: Path = BUILD_DIR):
@@ -99,7 +99,7 @@ class LayeredStep:
             raise ValueError(f"{cfg.name}: the layer-by-layer step takes models with both DeltaNet and attention "
                              f"layers")
         self.spec, self.weights, self.state, self.max_tokens = spec, weights, state, max_tokens
-        self.max_rows = max(max_tokens, spec.tuning.ddtree.budget + 1)
+        self.max_rows = max(max_tokens, spec.tuning.ddtree.capacity + 1)
         if self.max_rows > qgemv.VERIFY_ROWS:
             raise ValueError(f"a step of {self.max_rows} rows; the projections reserve activations for at most "
                              f"{qgemv.VERIFY_ROWS} (qgemv.VERIFY_ROWS)")
@@ -345,7 +345,7 @@ class LayeredEngine(Speculating):
 
     @property
     def max_tree_nodes(self) -> int:
-        return self.step.tree.max_nodes  # the spec's DDTree budget + the root
+        return self.step.tree.max_nodes  # the spec's largest DDTree (tuning.ddtree.capacity) + the root
 
     def verifier(self):
         """The whole tree in one forward of the step, through the kernels it decodes with."""

@@ -199,7 +199,7 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     if group + 2 > mk.threads // 32:
         return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {mk.threads // 32}"
-    max_nodes = spec.tuning.ddtree.budget + 1
+    max_nodes = spec.tuning.ddtree.capacity + 1
     smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
         return f"{spec.name}: the tree DeltaNet stack needs {smem} bytes of shared memory; a block has {spec.chip.smem_per_block}"
@@ -216,7 +216,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
     if not model.linear_layers or not model.full_layers or shape_problem(model, spec):
         return []
     mk, cfg = spec.tuning.megakernel, model
-    max_nodes = spec.tuning.ddtree.budget + 1
+    max_nodes = spec.tuning.ddtree.capacity + 1
     hexf = lambda v: float(np.float32(v)).hex() + "f"
     params = dict(
         eps=hexf(cfg.rms_norm_eps), inv_freq=[hexf(v) for v in rope_inv_freq(cfg)],
@@ -246,7 +246,8 @@ class DeviceTree:
 
 
 class TreeKernels:
-    """The tree kernels of one model on one chip and their scratch, sized for the spec's DDTree budget (+ root).
+    """The tree kernels of one model on one chip and their scratch, sized for the spec's largest DDTree (its
+    tuning.ddtree.capacity, + root).
 
     Arguments are DeviceArrays: mixed [N, C + value_dim + 2 Hv] and qkv [N, attention in-projection rows] fp32
     (row stride = their second dimension), out fp32 [N, ...]; weights as lucegen.engine.weights holds them. The
@@ -262,7 +263,7 @@ class TreeKernels:
         from ..runtime import DeviceArray
         self.cfg, self.spec = cfg, spec
         mk = spec.tuning.megakernel
-        self.max_nodes = spec.tuning.ddtree.budget + 1
+        self.max_nodes = spec.tuning.ddtree.capacity + 1
         self.att_blocks, self.att_threads = mk.blocks, mk.threads
         self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
         self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
@@ -289,7 +290,7 @@ class TreeKernels:
         launches there, else a synchronous copy."""
         if len(parents) > self.max_nodes:
             raise ValueError(f"tree: {len(parents)} nodes; {self.spec.name}'s kernels take at most {self.max_nodes} "
-                             f"(DDTree budget {self.max_nodes - 1} + root)")
+                             f"(the spec's largest DDTree, {self.max_nodes - 1}, + root)")
         depth = depths(parents)
         codes, levels = schedule(parents)
         t = self._views(len(parents), levels, parents, 0, self.max_nodes)
