@@ -104,6 +104,15 @@ def test_round_arithmetic():
     assert dp.limit_ms(4_387_000_000, 4387.0) == pytest.approx(1.0)  # 4.387 GB at 4387 GB/s: 1 ms
 
 
+def test_the_derived_round_verifies_a_tree_that_holds_its_accepted_nodes():
+    from lucegen.bench import draft_parts as dp
+    measured = {2: 10.0, 4: 14.0, 8: 23.0, 16: 35.0, 64: 117.0}
+    assert dp.ACCEPTED == 8
+    assert dp.round_budget(64, measured) == 64  # the spec's budget holds 7 accepted nodes
+    assert dp.round_budget(4, measured) == 8    # a tuned budget of 4 does not: the smallest that does
+    assert dp.round_budget(4, {2: 1.0, 4: 2.0}) is None
+
+
 def test_draft_bytes_on_the_27b_draft():
     from lucegen.bench import draft_parts as dp
     from lucegen.model.draft_config import DraftConfig

@@ -17,10 +17,11 @@ after WARMUP, host clock around the call and a synchronize (what a round waits f
     spec_topk_ms          the device top-K (lucegen/kernels/topk.py) over the 15 x vocab logits, ids and log-probs
                           to the host: k = the spec's DDTree budget capped at the kernel's max_k, and k = 1 (chain);
                           limit: the logits' bytes at the read rate
-    spec_tree_ms          build_tree on the host from that top-K, at the spec's budget
+    spec_tree_ms          build_tree on the host from that top-K, at the round's budget (round_budget: the spec's,
+                          or the smallest measured one that holds ACCEPTED - 1 nodes)
     spec_walk_ms          the greedy acceptance walk over the verify's logits (host)
     spec_commit_ms        the engine verifier's commit of a path of ACCEPTED nodes (the root and 7 accepted)
-    spec_round_ms_al8     their sum with the verify of the spec's budget (bench speculative's spec_verify_ms, the
+    spec_round_ms_al8     their sum with the verify of that budget (bench speculative's spec_verify_ms, the
                           existing verify part): one round at accepted length 8. A round emits its accepted draft
                           tokens and the target's bonus token: 7 + 1 = 8 tokens (the bonus is the next round's root,
                           and the 8 committed positions are the root and the 7 accepted). spec_round_tok_s_al8 =
@@ -141,6 +142,13 @@ def timed_ms(fn: Callable[[], object], repeat: int = REPEAT, warmup: int = WARMU
 
 
 # ---- the measurement ------------------------------------------------------------------------------------------------
+def round_budget(spec_budget: int, verify_ms: Mapping[int, float]) -> int | None:
+    """The budget of the derived round: the spec's, or the smallest measured one above it whose tree can hold the
+    ACCEPTED - 1 accepted nodes (a tuned budget may be smaller: h200's is 4); None if no verify was measured so."""
+    fits = [b for b in verify_ms if b >= max(spec_budget, ACCEPTED - 1)]
+    return min(fits, default=None)
+
+
 def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[int, float], step_ms: float | None,
         oracle: Mapping | None = None) -> dict | None:
     """Measure and record the parts above beside `engine` (prefilled again here, reset after). verify_ms: bench
@@ -149,9 +157,10 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
     if reason := skip_reason(engine):
         print(f"  GPU draft parts skipped: {reason}")
         return None
-    budget = engine.spec.tuning.ddtree.budget
-    if budget not in verify_ms:
-        print(f"  GPU draft parts skipped: no verify measured at the spec's budget {budget}")
+    budget = round_budget(engine.spec.tuning.ddtree.budget, verify_ms)
+    if budget is None:
+        print(f"  GPU draft parts skipped: no verify measured at a budget of at least the spec's "
+              f"{engine.spec.tuning.ddtree.budget} and {ACCEPTED - 1} (a round accepting {ACCEPTED - 1} nodes)")
         return None
     from ..codegen.build import build
     from ..engine.draft_gpu import GpuDraft
