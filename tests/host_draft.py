@@ -215,7 +215,7 @@ def assert_the_trained_pair_accepts(make_engine, prompts: int = 3, tokens: int =
     tokenizer = Tokenizer.from_dir(DEFAULT_TARGET)
     engine = make_engine(target, target.config)
     recording = Recording(engine.gpu_draft(cfg, weights))
-    speculation = Speculation(recording, cfg.block_size - 1, min(22, engine.spec.tuning.ddtree.budget))
+    speculation = Speculation(recording, cfg.block_size - 1, min(22, engine.spec.tuning.ddtree.capacity))
     greedy, emitted, passes = SamplingParams(temperature=0), 0, 0
     for _, prompt in held_out_prompts(prompts):
         ids = tokenizer.encode(prompt)

@@ -169,7 +169,7 @@ def test_the_draft_holds_the_committed_sequence(engine):
                          [root] + [DRAFT.mask_token_id] * n)[1:]
     assert relative_error(logits, want) < DRAFT_RTOL
     ids, lps = topk.reference(logits, draft.k)
-    assert draft.k == min(SPEC.tuning.ddtree.budget, SPEC.tuning.topk.max_k, CFG.vocab_size)
+    assert draft.k == min(SPEC.tuning.ddtree.capacity, SPEC.tuning.topk.max_k, CFG.vocab_size)
     np.testing.assert_array_equal(top.ids, ids)
     np.testing.assert_array_equal(top.logprobs, lps)
     verifier.free()

@@ -12,9 +12,10 @@ than the next one (the state's position set by hand, as benchmarks do) loses the
 the draft_fn then raises rather than draft from the features of other tokens.
 
 draft_fn(context_ids, n): context_ids' last token (the root, not yet in the state) at the state's position; one
-forward of the draft's block, then the best k tokens of each of the first n depths, on the device. k is the spec's
-DDTree budget (a tree of budget B holds at most B tokens a depth, and the engine verifies trees of at most the
-spec's budget), at most tuning.topk.max_k; only n x k ids and log-probs reach the host.
+forward of the draft's block, then the best k tokens of each of the first n depths, on the device. k is the largest
+tree the engine verifies (tuning.ddtree.capacity: a tree of budget B holds at most B tokens a depth; a round's
+budget, the spec's or --budget, is at most that), at most tuning.topk.max_k; only n x k ids and log-probs reach the
+host.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class LayeredDraft:
         built = build(spec, dataclasses.replace(target, name=f"{target.name}-topk"), topk.units(spec, target),
                       root=root)
         self.topk = topk.TopKKernel(built.module("topk"), spec, rows=cfg.block_size - 1, vocab=target.vocab_size)
-        self.k = min(spec.tuning.ddtree.budget, topk.max_k(spec), target.vocab_size)
+        self.k = min(spec.tuning.ddtree.capacity, topk.max_k(spec), target.vocab_size)
         self.gathered = DeviceArray.empty(features.shape, np.float32)  # a path's rows, consecutive
         self.synced = step.state.position == 0  # the draft's context is the committed tokens 0 .. draft.length - 1
         step.follower = self
