@@ -21,10 +21,11 @@ after WARMUP, host clock around the call and a synchronize (what a round waits f
                           or the smallest measured one that holds ACCEPTED - 1 nodes)
     spec_walk_ms          the greedy acceptance walk over the verify's logits (host)
     spec_commit_ms        the engine verifier's commit of a path of ACCEPTED nodes (the root and 7 accepted)
-    spec_round_ms_al8     their sum with the verify of that budget (bench speculative's spec_verify_ms, the
-                          existing verify part): one round at accepted length 8. A round emits its accepted draft
-                          tokens and the target's bonus token: 7 + 1 = 8 tokens (the bonus is the next round's root,
-                          and the 8 committed positions are the root and the 7 accepted). spec_round_tok_s_al8 =
+    spec_round_ms_al8     their sum with the verify of that budget (bench speculative's spec_verify_greedy_ms,
+                          or spec_verify_ms for a verifier without a greedy pass: the existing verify part): one
+                          round at accepted length 8. A round emits its accepted draft tokens and the target's
+                          bonus token: 7 + 1 = 8 tokens (the bonus is the next round's root, and the 8 committed
+                          positions are the root and the 7 accepted). spec_round_tok_s_al8 =
                           8 tokens / round time, next to the oracle-draft ddtree_tok_s_al8 measured end to end.
                           Limit: the draft's, the append's and top-K's limits plus one decode step (the verify's).
 

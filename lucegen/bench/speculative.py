@@ -12,8 +12,10 @@
              of BUDGETS nodes: accepted length and tok/s per budget
     verify   engines with a verifier() (the cuda ones): its target pass over a DDTree of each budget (the noisy
              oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget;
-             the spec's DDTree budget among them); for the whole-tree verifier (TreeVerifier) each kernel kind's
-             time in that pass at BREAKDOWN_BUDGETS, timed launch by launch (verify_kernel_us_<kind>)
+             the spec's DDTree budget among them), and where the verifier has it the pass greedy rounds make,
+             argmax ids to the host instead (spec_verify_greedy_ms); for the whole-tree verifier (TreeVerifier)
+             each kernel kind's time in that pass at BREAKDOWN_BUDGETS, timed launch by launch
+             (verify_kernel_us_<kind>)
     draft    a cuda LayeredEngine whose target the bundled DFlash draft config fits (the 27B): the GPU draft's
              forward, context append and device top-K, the tree build, walk and commit on the real shapes, and
              their sum with the verify: one round at accepted length 8 (spec_round_ms_al8, spec_round_tok_s_al8,
@@ -141,8 +143,9 @@ def fitting(engine, budgets: Sequence[int]) -> list[int]:
 def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int],
            budgets: Sequence[int], repeat: int) -> tuple[dict[int, float], float | None]:
     """The engine's verifier (the tree verifier of the layer-by-layer step, node by node on the megakernel's)
-    over the tree of each budget after the prompt, against one decode step there. Returns (ms by budget, the
-    decode step's ms); ({}, None) for an engine without a verifier."""
+    over the tree of each budget after the prompt, against one decode step there. Returns (ms by budget of the
+    pass a greedy round makes: forward_argmax where the verifier has it, else forward; the decode step's ms); ({},
+    None) for an engine without a verifier."""
     if not hasattr(engine, "verifier"):
         return {}, None
     verifier = engine.verifier()
@@ -151,11 +154,13 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         engine.prefill(prompt_ids)
         context = [*prompt_ids, target[0]]
         logprobs = sweep_draft(target, len(prompt_ids), engine.config.vocab_size)(context, DEPTH)
-        times = {}
+        times, greedy = {}, {}
         for b in fitting(engine, budgets):
             tree = build_tree(logprobs, b, root=context[-1])
             verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
             times[b] = (len(tree.tokens), host_median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
+            if hasattr(verifier, "forward_argmax"):  # the pass a greedy round makes: N ids to the host
+                greedy[b] = host_median_ms(lambda: verifier.forward_argmax(tree.tokens, tree.parents), repeat)
             if b in BREAKDOWN_BUDGETS:
                 verify_kernels(rec, verifier, name, b, times[b][1])
         step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
@@ -164,8 +169,13 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
     rec.record("decode_step_ms", name, step_ms, "ms", None, context=len(prompt_ids))
     for b, (nodes, ms) in times.items():
         rec.record("spec_verify_ms", name, ms, "ms", step_ms, budget=b, nodes=nodes, verifier=type(verifier).__name__)
-        print(f"  verify, budget {b} ({nodes} nodes): {ms:.2f} ms = {ms / step_ms:.1f} decode steps")
-    return {b: ms for b, (_, ms) in times.items()}, step_ms
+        line = f"  verify, budget {b} ({nodes} nodes): {ms:.2f} ms = {ms / step_ms:.1f} decode steps"
+        if b in greedy:
+            rec.record("spec_verify_greedy_ms", name, greedy[b], "ms", step_ms, budget=b, nodes=nodes,
+                       verifier=type(verifier).__name__)
+            line += f"; greedy (argmax ids to the host) {greedy[b]:.2f} ms"
+        print(line)
+    return {b: greedy.get(b, ms) for b, (_, ms) in times.items()}, step_ms
 
 
 def verify_kernels(rec: Recorder, verifier, name: str, budget: int, ms: float) -> None:
