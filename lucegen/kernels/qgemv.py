@@ -34,7 +34,8 @@ XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a block (the mma's M), threads (a warp per 4 lane classes)
 # qgemm_mma's M-tile and ring depth on the spec's GEMMs. Measured on the H200 (27B shapes, M = 2 .. 65; st = stages):
-# mt16 st2 beat mt8 st3, mt16 st3 and mt32 st2 from M = 17 up; st3 at mt16 leaves Q6_K one block an SM.
+# mt16 st2 beat mt8 st3, mt16 st3 and mt32 st2 at M = 33 and 65, where the spec uses it (gemm_mma_from); st3 at mt16
+# leaves Q6_K one block an SM.
 MMA_M_TILE, MMA_STAGES = 16, 2
 
 
