@@ -12,6 +12,7 @@ import re
 from types import SimpleNamespace
 
 import numpy as np
+from hypothesis import strategies as st
 
 import lucegen.engine.layered as layered_mod
 from lucegen.kernels import layered, qgemv, tree
@@ -302,6 +303,20 @@ def checkpoint(tmp_path_factory, fmt: str, peaked: bool):
 
 
 # ---- checks both the host emulation and the GPU run --------------------------------------------------------------
+# draft trees of 1 to 14 nodes, as parents tuples (topologically ordered: parents[0] = -1, parents[i] < i)
+trees = st.integers(1, 14).flatmap(lambda n: st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, n)]))
+
+
+def tree_case(engine, parents, prefix: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A verify's inputs drawn from seed: (context of `prefix` tokens, one token per node of parents), with the
+    engine left after the context (after())."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    context, tokens = rng.integers(0, vocab, prefix), rng.integers(0, vocab, len(parents))
+    after(engine, context)
+    return context, tokens
+
+
 def after(engine, context, tokens=()) -> np.ndarray:
     """Reset, prefill `context` in the engine's chunks, then decode `tokens` one by one; the last logits."""
     engine.reset()

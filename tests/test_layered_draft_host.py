@@ -30,7 +30,7 @@ from lucegen.spec import load_spec
 from lucegen.spec_decode.tree import ancestry
 from host_draft import (STEP_RTOL, assert_gpu_draft_speculation, assert_the_trained_pair_accepts,
                         layered_draft_on_host)
-from host_layered import after
+from host_layered import after, tree_case, trees
 
 CFG = tiny_config()
 SPEC = load_spec("h200")
@@ -46,7 +46,6 @@ def bf16_rounded(weights: dict) -> dict:
 WEIGHTS = bf16_rounded(random_weights(CFG, seed=5))
 DRAFT_WEIGHTS = bf16_rounded(random_draft_weights(DRAFT, seed=2))
 DRAFT_RTOL = 1e-5  # the emulated GpuDraft against draft_forward on the same features (tests/test_draft_gpu_host.py)
-trees = st.integers(1, 14).flatmap(lambda n: st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, n)]))
 BRANCHING = [-1, 0, 1, 0, 3, 4, 2]  # the path [0, 3, 4, 5] skips rows 1 and 2: a gathered append
 
 
@@ -117,10 +116,7 @@ def test_prefill_chunk_features_are_the_reference_hidden_states(engine):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parents=trees, prefix=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_a_verify_node_row_is_its_decode_steps_features_bit_for_bit(engine, parents, prefix, seed):
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, CFG.vocab_size, prefix)
-    tokens = rng.integers(0, CFG.vocab_size, len(parents))
-    after(engine, context)
+    context, tokens = tree_case(engine, parents, prefix, seed)
     verifier = engine.verifier()
     verifier.forward(tokens, parents)
     got = features(engine, len(parents))

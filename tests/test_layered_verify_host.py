@@ -19,7 +19,7 @@ from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.spec import load_spec
 from lucegen.spec_decode import Speculation, oracle_draft
 from lucegen.spec_decode.tree import ancestry
-from host_layered import after, assert_speculation_is_plain_greedy, layered_on_host
+from host_layered import after, assert_speculation_is_plain_greedy, layered_on_host, tree_case, trees
 
 CFG = tiny_config()
 SPEC = load_spec("h200")
@@ -28,7 +28,6 @@ WEIGHTS = {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 el
            for k, v in random_weights(CFG, seed=5).items()}
 STEP_RTOL = 1e-2  # the bf16 K/V cache against the reference's fp32 one (tests/gpu/test_layered_gpu.py)
 
-trees = st.integers(1, 14).flatmap(lambda n: st.tuples(*[st.just(-1)] + [st.integers(0, i - 1) for i in range(1, n)]))
 
 
 @pytest.fixture
@@ -62,10 +61,7 @@ def test_the_emulated_step_decodes_as_the_reference(engine):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parents=trees, prefix=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, parents, prefix, seed):
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, CFG.vocab_size, prefix)
-    tokens = rng.integers(0, CFG.vocab_size, len(parents))
-    after(engine, context)
+    context, tokens = tree_case(engine, parents, prefix, seed)
     verifier = engine.verifier()
     logits = verifier.forward(tokens, parents)
     assert engine.position == prefix
