@@ -33,10 +33,11 @@ DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a block (the mma's M), threads (a warp per 4 lane classes)
-# qgemm_mma's M-tile and ring depth on the spec's GEMMs. Measured on the H200 (27B shapes, M = 2 .. 65; st = stages):
-# mt16 st2 beat mt8 st3, mt16 st3 and mt32 st2 at M = 33 and 65, where the spec uses it (gemm_mma_from); st3 at mt16
-# leaves Q6_K one block an SM.
-MMA_M_TILE, MMA_STAGES = 16, 2
+# qgemm_mma's M-tile and ring depth on the spec's GEMMs. Measured on the H200 (27B shapes, us summed over 3; st =
+# stages): mt24 st2 beat mt16 st2, mt24 st3 and mt32 st2 from M = 23 (Q4_K M=23 240 against 285, 280, 328; M=33 379
+# against 422, 454, 534; Q6_K M=23 279 against 323, 329, 381) and beat dp4a there (Q4_K M=23 256, M=33 424; Q6_K
+# M=23 372, M=33 483); at M = 17 dp4a still wins Q4_K (252 against 280). st3 at mt16 leaves Q6_K one block an SM.
+MMA_M_TILE, MMA_STAGES = 24, 2
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 KS = {f: ([136, 256] if f == "bf16" else [160] if f in ("q8_0", "q4_0") else [256]) + [1024, 3584, 5120, 17408]
       for f in qgemv.FORMATS}
 PAIRS = [(f, k) for f, ks in KS.items() for k in ks]
-MS = [1, 2, 3, 8, 16, 33, 64]
+MS = [1, 2, 3, 8, 16, 23, 33, 64]
 TAIL = 64  # poisoned elements past the end of every output
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
