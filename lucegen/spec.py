@@ -136,6 +136,8 @@ class PrefillTuning:
     split_k: int = 1          # most slices of K for a residual-add GEMM with fewer tiles than SMs, their partial tiles
                               # added in slice order (deterministic, but the grouping depends on the prompt's length);
                               # 1: none, and every sum of the prefill is the same however the prompt is chunked
+    pdl: bool = False         # programmatic dependent launch (sm_90+): each kernel's blocks start while the one before
+                              # finishes (the GEMM's first weight tiles load then); the same arithmetic either way
 
 
 @dataclass(frozen=True)
@@ -364,9 +366,10 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"DeltaNet chunk) between 64 and max_context {t.max_context}")
     if t.prefill.gemm not in GEMM_METHODS:
         _fail(source, "tuning.prefill.gemm", f"{t.prefill.gemm!r} is not one of {', '.join(GEMM_METHODS)}")
-    if t.layered.pdl and c.cc < 90:
-        _fail(source, "tuning.layered.pdl", f"programmatic dependent launch needs sm_90 or newer; this chip is "
-              f"{c.arch}")
+    for name, pdl in (("layered", t.layered.pdl), ("prefill", t.prefill.pdl)):
+        if pdl and c.cc < 90:
+            _fail(source, f"tuning.{name}.pdl", f"programmatic dependent launch needs sm_90 or newer; this chip is "
+                  f"{c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.draft.window < 64:

@@ -53,6 +53,13 @@ __device__ __forceinline__ void launch_next_grid() {
 #endif
 }
 
+// The start of a kernel that has nothing to do before its inputs are ready: the next kernel may launch, and this
+// one waits for the one before.
+__device__ __forceinline__ void follow_prior_grids() {
+    launch_next_grid();
+    wait_for_prior_grids();
+}
+
 // Eight bf16 packed in a uint4 -> dot product with eight other bf16, accumulated in fp32.
 __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b) {
     const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);

@@ -139,16 +139,27 @@ struct GemmWork {
     int tm, tn, kt0, k_tiles, tile, tiles, split, splits;
 };
 
-// The grid holds `splits` = gridDim.x / tiles copies of the tiles (1 but for split-K); in each, tiles are numbered
-// in grouped order, and copy s takes k tiles [s KT / splits, (s + 1) KT / splits) of the KT = K / BK.
 template <class S>
-__device__ __forceinline__ GemmWork gemm_block_work(int M, int N, int K) {
+__device__ __forceinline__ int gemm_tiles(int M, int N) {
+    return ((M + S::BM - 1) / S::BM) * ((N + S::BN - 1) / S::BN);
+}
+
+// The work items are `splits` copies of the tiles (1 but for split-K); in each, tiles are numbered in grouped order,
+// and copy s takes k tiles [s KT / splits, (s + 1) KT / splits) of the KT = K / BK. Item i = split * tiles + tile.
+template <class S>
+__device__ __forceinline__ GemmWork gemm_work(int M, int N, int K, int item, int splits) {
     const int tiles_m = (M + S::BM - 1) / S::BM, tiles_n = (N + S::BN - 1) / S::BN, tiles = tiles_m * tiles_n;
-    const int block = blockIdx.x % tiles, split = blockIdx.x / tiles, splits = gridDim.x / tiles;
+    const int block = item % tiles, split = item / tiles;
     const int per_group = S::GROUP_M * tiles_n, id = block % per_group;
     const int first = block / per_group * S::GROUP_M, rows = min(tiles_m - first, S::GROUP_M);
     const int kt_all = K / S::BK, kt0 = split * kt_all / splits;
     return {first + id % rows, id / rows, kt0, (split + 1) * kt_all / splits - kt0, block, tiles, split, splits};
+}
+
+// A grid of one block per item: item blockIdx.x of gridDim.x.
+template <class S>
+__device__ __forceinline__ GemmWork gemm_block_work(int M, int N, int K) {
+    return gemm_work<S>(M, N, K, blockIdx.x, gridDim.x / gemm_tiles<S>(M, N));
 }
 
 // ---- deterministic split-K ----------------------------------------------------------------------------------
@@ -255,6 +266,7 @@ __device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict_
     using ATile = SwizzledTile<S::BM, S::BK>;
     using BTile = SwizzledTile<S::BN, S::BK>;
     constexpr int STAGE = ATile::BYTES + BTile::BYTES;
+    follow_prior_grids();
     const GemmWork work = gemm_block_work<S>(M, N, K);
     const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles;
     const int warp = threadIdx.x / 32, wm = warp / S::WN * S::TM, wn = warp % S::WN * S::TN;

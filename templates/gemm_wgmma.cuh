@@ -1,13 +1,15 @@
 // gemm_wgmma.cuh: Y = X W^T on Hopper's warpgroup tensor cores (sm_90a), the same contract and epilogues as gemm.cuh.
 //
-// A block computes a BM x BN tile of Y (BM = 64 per consumer warpgroup, BN = 128 per m64n128k16 column step) with
-// 1 + CONSUMERS warpgroups. Warpgroup 0 is the producer: one thread streams BK = 64 columns of X and W per k tile
-// through STAGES shared-memory stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each
-// stage completing on its `full` mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and
-// all BN columns, and hands the stage back on its `empty` mbarrier once the wgmma reading it has completed (one
-// k tile later: the wgmma of two k tiles overlap). Blocks take their tile and slice of K from gemm_block_work; the
-// consumers of a split-K block store their partial tile and the tile's last block adds the slices with gemm.cuh's
-// split_k_add (named barrier 1: the producer warpgroup has left by then).
+// A block computes BM x BN tiles of Y (BM = 64 per consumer warpgroup, BN = 128 per m64n128k16 column step) with
+// 1 + CONSUMERS warpgroups, one tile after another (a persistent grid, at most the blocks the SMs hold at once).
+// Warpgroup 0 is the producer: one thread streams BK = 64 columns of X and W per k tile through STAGES shared-memory
+// stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each stage completing on its `full`
+// mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and all BN columns, and hands the
+// stage back on its `empty` mbarrier once the wgmma reading it has completed (one k tile later: the wgmma of two k
+// tiles overlap). Tiles and slices of K come from gemm_work; the consumers of a split-K item store their partial
+// tile and the tile's last item adds the slices with gemm.cuh's split_k_add (named barrier 1: the producer warpgroup
+// has left by then). Under programmatic dependent launch (templates/common.cuh) the producer loads the first
+// stages' weights before the kernel ahead has finished.
 #pragma once
 #include "gemm.cuh"
 #include "wgmma.cuh"
@@ -28,17 +30,20 @@ struct WgmmaShape {
     static_assert(STAGES >= 2 && NT >= 1 && CONSUMERS >= 1, "wgmma GEMM tile shape");
 };
 
-// One block's BM x BN tile of Y = X W^T; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with
-// boxes of BK x BM and BK x BN and the 128-byte swizzle. Launched with splits * ceil(M/BM) * ceil(N/BN) blocks of
-// S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
+// Y = X W^T by a persistent grid; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with boxes of
+// BK x BM and BK x BN and the 128-byte swizzle. Work items (gemm_work) are the ceil(M/BM) * ceil(N/BN) tiles, times
+// the slices of K for split-K (whose launch has exactly one block per item: splits = gridDim.x / tiles); block b
+// takes items b, b + gridDim.x, ... Its producer streams the k tiles of all its items through the stages without a
+// break, so the next item's first stages load while the consumers finish the last one and run its epilogue.
+// Launched with S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
 template <class S, class Epilogue, int MAX_SPLITS = 1>
 __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int M, int N, int K,
                               const Epilogue& epilogue, unsigned char* smem_raw) {
     unsigned char* smem = smem_raw + ((1024 - shared_addr(smem_raw) % 1024) % 1024);
     auto* full = reinterpret_cast<unsigned long long*>(smem + S::STAGES * S::STAGE);
     auto* empty = full + S::STAGES;
-    const GemmWork work = gemm_block_work<S>(M, N, K);
-    const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles, warpgroup = threadIdx.x / 128;
+    const int tiles = gemm_tiles<S>(M, N), splits = IsSplitK<Epilogue>::value ? gridDim.x / tiles : 1;
+    const int items = tiles * splits, warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S::STAGES; ++s) {
             mbar_init(&full[s], 1);
@@ -47,60 +52,89 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         fence_barrier_init();
     }
     __syncthreads();
+    launch_next_grid();
 
     if (warpgroup == 0) {  // the producer
         if constexpr (S::CONSUMERS > 1) regs_dealloc<S::PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % S::STAGES;
-                if (kt >= S::STAGES) mbar_wait(&empty[s], (kt / S::STAGES - 1) & 1);  // k tile kt - STAGES is done
-                unsigned char* stage = smem + s * S::STAGE;
-                mbar_expect_tx(&full[s], S::STAGE);
-                tma_load_2d(stage, xmap, (work.kt0 + kt) * S::BK, m0, &full[s]);
-                tma_load_2d(stage + S::A_BYTES, wmap, (work.kt0 + kt) * S::BK, n0, &full[s]);
+            // The weights of the first stages stream in while the kernel before still runs (no kernel writes them);
+            // X, and everything after, once it has finished.
+            const GemmWork first = gemm_work<S>(M, N, K, blockIdx.x, splits);
+            const int ahead = blockIdx.x < items ? min(first.k_tiles, S::STAGES) : 0;
+            for (int kt = 0; kt < ahead; ++kt) {
+                mbar_expect_tx(&full[kt], S::STAGE);
+                tma_load_2d(smem + kt * S::STAGE + S::A_BYTES, wmap, (first.kt0 + kt) * S::BK, first.tn * S::BN,
+                            &full[kt]);
+            }
+            wait_for_prior_grids();
+            int it = 0;  // k tiles loaded so far, over all items: stage it % STAGES, its (it / STAGES)-th use
+            for (int item = blockIdx.x; item < items; item += gridDim.x) {
+                const GemmWork work = gemm_work<S>(M, N, K, item, splits);
+                for (int kt = 0; kt < work.k_tiles; ++kt, ++it) {
+                    const int s = it % S::STAGES, k0 = (work.kt0 + kt) * S::BK;
+                    unsigned char* stage = smem + s * S::STAGE;
+                    if (it >= ahead) {
+                        if (it >= S::STAGES) mbar_wait(&empty[s], (it / S::STAGES - 1) & 1);  // its last use is done
+                        mbar_expect_tx(&full[s], S::STAGE);
+                        tma_load_2d(stage + S::A_BYTES, wmap, k0, work.tn * S::BN, &full[s]);
+                    }
+                    tma_load_2d(stage, xmap, k0, work.tm * S::BM, &full[s]);
+                }
             }
         }
         return;
     }
+    wait_for_prior_grids();  // the epilogue writes Y (and split-K's workspace), which the kernel before may read
 
     if constexpr (S::CONSUMERS > 1) regs_alloc<S::CONSUMER_REGS>();
     const int c = warpgroup - 1;
-    float acc[S::NT][1][16][4];  // the first wgmma (k tile 0, kk 0) overwrites them
-
+    const int row = c * 64 + threadIdx.x % 128 / 32 * 16;  // this warp's 16 rows of the warpgroup's 64
+    int it = 0;  // k tiles consumed so far, over all items
+    auto consume = [&](int item) {
+        const GemmWork work = gemm_work<S>(M, N, K, item, splits);
+        float acc[S::NT][1][16][4];  // the first wgmma (k tile 0, kk 0) overwrites them
 #pragma unroll 1
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % S::STAGES;
-        mbar_wait(&full[s], (kt / S::STAGES) & 1);
-        const unsigned char* a = smem + s * S::STAGE + c * 64 * S::BK * 2;
-        const unsigned char* b = smem + s * S::STAGE + S::A_BYTES;
+        for (int kt = 0; kt < work.k_tiles; ++kt, ++it) {
+            const int s = it % S::STAGES;
+            mbar_wait(&full[s], (it / S::STAGES) & 1);
+            const unsigned char* a = smem + s * S::STAGE + c * 64 * S::BK * 2;
+            const unsigned char* b = smem + s * S::STAGE + S::A_BYTES;
+#pragma unroll
+            for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < S::BK / 16; ++kk)  // 16 columns of K = 32 bytes along a swizzled row
+#pragma unroll
+                for (int nt = 0; nt < S::NT; ++nt)
+                    wgmma_m64n128k16(acc[nt][0], smem_desc_sw128(a + kk * 32),
+                                     smem_desc_sw128(b + nt * 128 * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
+            wgmma_wait<1>();  // the wgmma of k tile kt - 1 have completed: its stage can be refilled
+            if (kt > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);
+        }
+        wgmma_wait<0>();
 #pragma unroll
         for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < S::BK / 16; ++kk)  // 16 columns of K = 32 bytes along a swizzled row
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);  // the item's last stage
+        const int m0 = work.tm * S::BM, n0 = work.tn * S::BN;
+        if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the item's slot, then the tile's last item adds
 #pragma unroll
             for (int nt = 0; nt < S::NT; ++nt)
-                wgmma_m64n128k16(acc[nt][0], smem_desc_sw128(a + kk * 32),
-                                 smem_desc_sw128(b + nt * 128 * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
-        wgmma_commit();
+                StoreF32{epilogue.partials + (size_t)item * S::BM * S::BN}(acc[nt], row, nt * 128, S::BM, S::BN);
+            split_k_add<S::BM, S::BN, 128 * S::CONSUMERS, MAX_SPLITS>(work, threadIdx.x - 128, 1, epilogue.partials,
+                                                                      epilogue.counters, epilogue.y, m0, n0, M, N);
+        } else {
 #pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
-        wgmma_wait<1>();  // the wgmma of k tile kt - 1 have completed: its stage can be refilled
-        if (kt > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(kt - 1) % S::STAGES]);
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
-    const int row = c * 64 + threadIdx.x % 128 / 32 * 16;  // this warp's 16 rows of the warpgroup's 64
-    if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the block's slot, then the tile's last block adds
-#pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt)
-            StoreF32{epilogue.partials + (size_t)blockIdx.x * S::BM * S::BN}(acc[nt], row, nt * 128, S::BM, S::BN);
-        split_k_add<S::BM, S::BN, 128 * S::CONSUMERS, MAX_SPLITS>(work, threadIdx.x - 128, 1, epilogue.partials,
-                                                                  epilogue.counters, epilogue.y, m0, n0, M, N);
+            for (int nt = 0; nt < S::NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
+        }
+    };
+    if constexpr (IsSplitK<Epilogue>::value) {
+        consume(blockIdx.x);  // one block per item
     } else {
-#pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
+#pragma unroll 1
+        for (int item = blockIdx.x; item < items; item += gridDim.x) consume(item);
     }
 }
 

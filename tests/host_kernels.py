@@ -212,6 +212,19 @@ class HostModule:
         return HostKernel(self, name)
 
 
+class HostStream:
+    """The prefill's own stream on the host: every launch has run when it returns."""
+
+    def __init__(self, programmatic: bool = False):
+        self.programmatic = programmatic
+
+    def synchronize(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def on_host(monkeypatch):
     """Inside: DeviceArray allocations are HostArrays and the prefill's build returns host modules."""
@@ -223,6 +236,7 @@ def on_host(monkeypatch):
             return SimpleNamespace(units=[SimpleNamespace(unit=u) for u in unit_list],
                                    module=lambda name: HostModule(cfg))
         m.setattr(prefill_mod, "build", fake_build)
+        m.setattr(prefill_mod, "Stream", HostStream)
         yield
 
 

@@ -7,8 +7,9 @@ query-key pairs per head); the DeltaNet recurrence, norms and convolutions are n
 compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
 the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
 every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
-split-K for the residual adds (tuning.prefill.split_k 1 and 4). HF transformers' pp520 (eager attention, bf16) is
-measured beside ours when torch and transformers import.
+split-K for the residual adds (tuning.prefill.split_k 1 and 4). A spec with programmatic dependent launch
+(tuning.prefill.pdl) is timed without it as well. HF transformers' pp520 (eager attention, bf16) is measured beside
+ours when torch and transformers import.
 
 Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
 launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
@@ -142,7 +143,8 @@ def variants(spec: ChipSpec) -> list[ChipSpec]:
 
 
 def gemm_variant(spec: ChipSpec) -> dict:
-    return {"gemm": spec.tuning.prefill.gemm, "split_k": spec.tuning.prefill.split_k}
+    p = spec.tuning.prefill
+    return {"gemm": p.gemm, "split_k": p.split_k, "pdl": p.pdl}
 
 
 def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream: Stream) -> None:
@@ -169,10 +171,11 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
 
 def graph_ms(prefill: Prefill, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, T: int,
              stream: Stream) -> tuple[Graph, float]:
-    """The prefill of `ids` captured in a graph, and the median time of a replay in milliseconds."""
+    """The prefill of `ids` captured in a graph (from the prefill's own stream, programmatic where its spec says), and
+    the median time of a replay on `stream` in milliseconds."""
     state.reset()
-    with Graph.capture(stream) as graph:
-        prefill.enqueue(weights, state, ids, stream)
+    with Graph.capture(prefill.stream) as graph:
+        prefill.enqueue(weights, state, ids, prefill.stream)
     synchronize()
     return graph, median_ms(lambda s: graph.launch(s), stream, warmup_s=1.0, repeat=5 if T > 4096 else 20)
 
@@ -210,7 +213,7 @@ def fits(cfg: ModelConfig, T: int) -> bool:
 def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> None:
     spec = spec_for_current_device()
     rec = recorder or Recorder(gpu=device_info().name)
-    stream = Stream()
+    stream, pdl = Stream(), spec.tuning.prefill.pdl
     filler = fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"), spec)
     peak = torch_matmul_tflops()
     if peak:
@@ -227,7 +230,8 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
         weights = DeviceWeights.random(cfg, spec, filler)
         prefill = Prefill(spec, cfg)
         state = DeviceState(cfg, max(runnable))
-        others = [Prefill(v, cfg) for v in variants(spec)[1:]]  # timed at the breakdown's lengths
+        # timed at the breakdown's lengths: the other GEMM variants, and the spec without programmatic launches
+        others = [Prefill(v, cfg) for v in variants(spec)[1:] + ([spec.with_prefill(pdl=False)] if pdl else [])]
         for T in runnable:
             ids = DeviceArray.from_numpy(rng.integers(0, cfg.vocab_size, T).astype(np.int32))
             for p in [prefill, *others] if T in BREAKDOWN_LENGTHS else [prefill]:

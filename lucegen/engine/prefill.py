@@ -25,7 +25,7 @@ from ..codegen.build import BUILD_DIR, build
 from ..codegen.unit import KernelUnit
 from ..kernels import attention, conv1d, gdn, gemm, gemv, rows
 from ..model.config import LINEAR, ModelConfig
-from ..runtime.memory import DeviceArray
+from ..runtime import DeviceArray, Stream
 from ..spec import ChipSpec
 from .base import ContextOverflow
 from .state import DeviceState
@@ -50,11 +50,15 @@ def units(spec: ChipSpec, cfg: ModelConfig) -> list[KernelUnit]:
 
 
 class Prefill:
-    """prefill(weights, state, token_ids) -> logits (fp32 [vocab], a device array owned by this object)."""
+    """prefill(weights, state, token_ids) -> logits (fp32 [vocab], a device array owned by this object).
+
+    `stream`: the stream it launches on unless told another, programmatic (tuning.prefill.pdl) where the spec says;
+    every prefill kernel waits for the one before it (templates/common.cuh), so any stream serves."""
 
     def __init__(self, spec: ChipSpec, cfg: ModelConfig, chunk_tokens: int | None = None, root: Path = BUILD_DIR):
         self.spec, self.cfg = spec, cfg
         self.chunk = chunk_tokens or spec.tuning.prefill.chunk_tokens
+        self.stream = Stream(programmatic=spec.tuning.prefill.pdl)
         if self.chunk % gdn.CHUNK:
             raise ValueError(f"chunk_tokens {self.chunk} is not a multiple of the DeltaNet chunk {gdn.CHUNK}")
         if problem := shape_problem(spec, cfg):
@@ -96,8 +100,11 @@ class Prefill:
 
     def __call__(self, weights: DeviceWeights, state: DeviceState, token_ids: Sequence[int],
                  stream=None) -> DeviceArray:
+        """On `stream`, left running; on this object's stream when None, finished on return."""
         self.ids = DeviceArray.from_numpy(np.asarray(token_ids, np.int32).reshape(-1))  # kept until the next call
-        self.enqueue(weights, state, self.ids, stream)
+        self.enqueue(weights, state, self.ids, stream or self.stream)
+        if stream is None:
+            self.stream.synchronize()
         return self.logits
 
     def enqueue(self, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, stream=None) -> None:
@@ -149,3 +156,4 @@ class Prefill:
         if hasattr(self, "scratch"):
             self.scratch.free()
         self.gemm.free()  # split-K's workspace and tile counters
+        self.stream.destroy()

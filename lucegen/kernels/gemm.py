@@ -8,7 +8,8 @@ row i: the packing of kernels.megakernel, whose weight arena the prefill reads).
 
 Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with cp.async stages, gemm.cuh) and `wgmma`
 (Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
-the launcher passes X and W as 2-D tensor maps). Two tile shapes are compiled per chip and method: a large one (the
+the launcher passes X and W as 2-D tensor maps, and launches no more blocks than the SMs hold at once: each takes
+tiles in turn, its next tile's loads under its last one's epilogue). Two tile shapes are compiled per chip and method: a large one (the
 most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
 per call, the one with the shorter estimated time.
 
@@ -223,13 +224,15 @@ class Gemm:
 
     def __init__(self, module, spec: ChipSpec):
         self.spec = spec
-        self.kernels = {}
+        self.kernels, self.resident = {}, {}
         for c in tile_configs(spec):
             for e in KERNEL_EPILOGUES:
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)
                 self.kernels[c.name, e] = k
+            if c.method == "wgmma":  # a persistent grid: the blocks the SMs hold at once
+                self.resident[c.name] = spec.chip.sm_count * max(1, k.max_active_blocks_per_sm(c.threads, c.smem))
         partials, counters = workspace(spec)
         self.partials = DeviceArray.empty(partials, np.float32) if partials else None
         self.counters = DeviceArray.zeros(counters, np.uint32) if counters else None
@@ -243,10 +246,11 @@ class Gemm:
         s = splits(self.spec, c, m, n, k, epilogue)
         if c.method == "wgmma":
             x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
-        blocks, args = s * c.tiles(m, n), (x, w, y, m, n, k)
-        if s > 1:
-            assert blocks * c.bm * c.bn <= self.partials.size and c.tiles(m, n) <= self.counters.size
+        items, args = s * c.tiles(m, n), (x, w, y, m, n, k)
+        if s > 1:  # one block per item (they fit one wave: `splits`)
+            assert items * c.bm * c.bn <= self.partials.size and c.tiles(m, n) <= self.counters.size
             args += (self.partials, self.counters)
+        blocks = min(items, self.resident[c.name]) if c.name in self.resident and s == 1 else items
         self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](blocks, c.threads, *args, smem=c.smem, stream=stream)
 
     def free(self) -> None:

@@ -41,7 +41,7 @@ from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
-from lucegen.runtime import DeviceArray, synchronize
+from lucegen.runtime import DeviceArray, Graph, synchronize
 from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
 
 pytestmark = pytest.mark.gpu
@@ -142,6 +142,27 @@ def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
     op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
     ref = gemm.reference(x, w, epilogue, y0)
     assert rel_err(y.numpy(), ref) < (8e-3 if out_dtype == BF16 else 1e-5)
+
+
+@pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
+@pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("method", GEMM_METHODS)
+@pytest.mark.parametrize("m, n, k", [(4097, 2560, 1024), (1500, 10240, 192)])
+def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue, tile, m, n, k):
+    """Shapes of more tiles than the SMs hold blocks at once (several waves; wgmma's persistent blocks each take
+    several tiles in turn, the next one's loads overlapping the last one's epilogue), K of 3 .. 16 k tiles."""
+    op, spec = gemms(method)
+    config = gemm.tile_configs(spec)[tile == "small"]
+    assert config.tiles(m, n) > 2 * spec.chip.sm_count * config.min_blocks  # the test can tell
+    rng = np.random.default_rng(m + n + k)
+    x = bf16(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf16(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    width = n // 2 if epilogue == "silu" else n
+    y0 = rng.standard_normal((m, width), dtype=np.float32)
+    out_dtype = BF16 if epilogue in ("bf16", "silu") else np.float32
+    y = dev(y0) if epilogue == "add" else poisoned((m, width), out_dtype)
+    op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
+    assert rel_err(y.numpy(), gemm.reference(x, w, epilogue, y0)) < (8e-3 if out_dtype == BF16 else 1e-5)
 
 
 SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
@@ -428,6 +449,41 @@ def test_prefill_with_every_gemm_variant_matches_the_reference(spec, method, spl
         for i, a in getattr(first, table).items():
             assert np.array_equal(getattr(second, table)[i], a), f"{table} of layer {i} differs between two runs"
     for a in (state, again, prefill, weights):
+        a.free()
+
+
+def test_programmatic_launches_change_no_bit(spec, tmp_path):
+    """The 0.8B prefill of 520 tokens with programmatic dependent launch (every kernel's blocks start while the one
+    before finishes; the GEMM loads its first weight tiles then), launched one by one and replayed from a graph,
+    equals the prefill without it bit for bit: every kernel waits where it reads what the one before wrote."""
+    if spec.chip.cc < 90:
+        pytest.skip(f"programmatic dependent launch needs sm_90; {spec.name} is {spec.chip.arch}")
+    cfg, T = MODELS["0.8b"](), 520
+    ids = np.random.default_rng(11).integers(0, cfg.vocab_size, T)
+    plain, programmatic = (Prefill(spec.with_prefill(pdl=pdl), cfg, root=tmp_path) for pdl in (False, True))
+    weights = DeviceWeights.upload(cfg, spec, model_weights("0.8b"))
+    states = [DeviceState(cfg, T + 16) for _ in range(3)]
+    want = run((plain, weights), states[0], ids).copy()
+    got = run((programmatic, weights), states[1], ids).copy()
+    device_ids = DeviceArray.from_numpy(ids.astype(np.int32))
+    with Graph.capture(programmatic.stream) as graph:  # nothing runs yet; the state's position moves to T
+        programmatic.enqueue(weights, states[2], device_ids, programmatic.stream)
+    programmatic.logits.fill_bytes(0xFF)
+    synchronize()  # the poison is in place before the replay (the prefill's stream does not wait for the null one)
+    graph.launch()
+    programmatic.stream.synchronize()
+    replayed = programmatic.logits.numpy()
+    assert np.isfinite(want).all()
+    for what, logits in (("launched one by one", got), ("replayed from a graph", replayed)):
+        assert np.array_equal(logits, want), f"logits {what} differ from the prefill without programmatic launches"
+    first = states[0].to_reference()
+    for state in states[1:]:
+        other = state.to_reference()
+        for table in ("conv", "recurrent", "keys", "values"):
+            for i, a in getattr(first, table).items():
+                assert np.array_equal(getattr(other, table)[i], a), f"{table} of layer {i} differs"
+    graph.destroy()
+    for a in (*states, plain, programmatic, weights, device_ids):
         a.free()
 
 
