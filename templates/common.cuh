@@ -53,8 +53,9 @@ __device__ __forceinline__ void launch_next_grid() {
 #endif
 }
 
-// The start of a kernel that has nothing to do before its inputs are ready: the next kernel may launch, and this
-// one waits for the one before.
+// The start of a short kernel that has nothing to do before its inputs are ready: the next kernel may launch, and
+// this one waits for the one before. A long kernel rather lets the next one launch near its end: blocks launched
+// early sit on the SMs until it ends, taking shared memory and warp slots from its later blocks.
 __device__ __forceinline__ void follow_prior_grids() {
     launch_next_grid();
     wait_for_prior_grids();

@@ -9,7 +9,7 @@
 // tiles overlap). Tiles and slices of K come from gemm_work; the consumers of a split-K item store their partial
 // tile and the tile's last item adds the slices with gemm.cuh's split_k_add (named barrier 1: the producer warpgroup
 // has left by then). Under programmatic dependent launch (templates/common.cuh) the producer loads the first
-// stages' weights before the kernel ahead has finished.
+// stages' weights before the kernel ahead has finished, and the next kernel launches once the last k tile is done.
 #pragma once
 #include "gemm.cuh"
 #include "wgmma.cuh"
@@ -52,7 +52,6 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         fence_barrier_init();
     }
     __syncthreads();
-    launch_next_grid();
 
     if (warpgroup == 0) {  // the producer
         if constexpr (S::CONSUMERS > 1) regs_dealloc<S::PRODUCER_REGS>();
@@ -82,6 +81,7 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
                 }
             }
         }
+        launch_next_grid();  // every load issued (the consumers let it launch after their last k tile)
         return;
     }
     wait_for_prior_grids();  // the epilogue writes Y (and split-K's workspace), which the kernel before may read
@@ -118,6 +118,7 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
 #pragma unroll
         for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);  // the item's last stage
+        if (item + gridDim.x >= items) launch_next_grid();  // only the epilogue is left: the next kernel may launch
         const int m0 = work.tm * S::BM, n0 = work.tn * S::BN;
         if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the item's slot, then the tile's last item adds
 #pragma unroll

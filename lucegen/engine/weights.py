@@ -20,11 +20,16 @@ from ..spec import ChipSpec
 
 
 class DeviceWeights:
-    def __init__(self, cfg: ModelConfig, spec: ChipSpec):
-        """An uninitialised arena for `cfg` laid out for `spec`, with its views."""
+    def __init__(self, cfg: ModelConfig, spec: ChipSpec, arena: DeviceArray | None = None):
+        """Views of `arena` (a megakernel's weights, kept by it), or of a new uninitialised one for `cfg` laid out for
+        `spec`."""
         self.cfg = cfg
         self.layout = Layout(cfg, spec)
-        self.arena = DeviceArray.empty(self.layout.arena_bytes, np.uint8)
+        if arena is not None and arena.nbytes < self.layout.arena_bytes:
+            raise ValueError(f"a weight arena of {arena.nbytes} bytes is smaller than {cfg.name}'s layout on "
+                             f"{spec.name} ({self.layout.arena_bytes} bytes)")
+        self.owned = arena is None
+        self.arena = DeviceArray.empty(self.layout.arena_bytes, np.uint8) if arena is None else arena
         self.embed, self.lm_head = self.view(self.layout.embed), self.view(self.layout.lm_head)
         self.final_norm = self.view(self.layout.final_norm)
         self.layers = [{name: self.view(t) for name, t in self.layout.layer_tensors(i).items()}
@@ -66,4 +71,5 @@ class DeviceWeights:
         return dev
 
     def free(self) -> None:
-        self.arena.free()
+        if self.owned:
+            self.arena.free()

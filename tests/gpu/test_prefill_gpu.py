@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from lucegen.codegen.build import build
+from lucegen.engine.decode import PREFILL_FROM, DecodeEngine
 from lucegen.engine.prefill import Prefill, units
 from lucegen.engine.state import DeviceState
 from lucegen.engine.weights import DeviceWeights
@@ -41,7 +42,7 @@ from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.reference.model import decoder_layer, lm_head
 from lucegen.reference.ops import rms_norm
-from lucegen.runtime import DeviceArray, Graph, synchronize
+from lucegen.runtime import DeviceArray, Graph, observe_launches, synchronize
 from lucegen.spec import GEMM_METHODS, gemm_methods, spec_for_current_device
 
 pytestmark = pytest.mark.gpu
@@ -542,6 +543,34 @@ def test_decode_continues_the_prefill(engine, spec, model, T, monkeypatch):
     got = continuation_errors(lambda: prefill, lambda _: weights, cfg, w, ids, T)
     for what, error, bound in zip(("next token", "state", "next token from the reference's state"), got, emulated):
         assert error < max(E2E_RTOL[model], 2.5 * bound), f"{what}: {error:.4f} (emulated: {bound:.4f})"
+
+
+@pytest.mark.parametrize("model", ["tiny", "0.8b"])
+def test_decode_engine_prefills_on_tensor_cores(spec, model, tmp_path):
+    """DecodeEngine.prefill (the cuda backend's engine for a bf16 checkpoint) of a prompt of PREFILL_FROM tokens or
+    more runs the tensor-core prefill over the megakernel's own weight arena, and the megakernel decodes on from the
+    state it leaves: the prompt's logits and state, and two decode steps after it, against the reference. A shorter
+    prompt goes through the megakernel."""
+    cfg, w, T = MODELS[model](), model_weights(model), 300
+    ids = np.random.default_rng(17).integers(0, cfg.vocab_size, T + 2)
+    engine = DecodeEngine(w, cfg, spec, max_context=1024, build_root=tmp_path)
+    launched = []
+    with observe_launches(lambda kernel, args, stream, launch: (launched.append(kernel.name), launch())):
+        logits = engine.prefill(ids[:T])
+    assert "gdn_chunk_scan" in launched and "mk_decode" not in launched
+    ref_state = State()
+    ref = reference_last_logits(w, cfg, ids[:T], ref_state)
+    assert engine.position == T
+    assert rel_err(logits, ref) < E2E_RTOL[model]
+    assert_state_close(engine.state, ref_state, E2E_RTOL[model])
+    for t in ids[T:]:
+        assert rel_err(engine.decode(int(t)), decode_step(w, cfg, int(t), ref_state)) < E2E_RTOL[model]
+    engine.reset()
+    launched.clear()
+    with observe_launches(lambda kernel, args, stream, launch: (launched.append(kernel.name), launch())):
+        engine.prefill(ids[:PREFILL_FROM - 1])
+    assert launched == ["mk_decode"]
+    engine.free()
 
 
 HF_LOGITS = Path(__file__).resolve().parents[2] / "tools" / "hf_logits.py"
