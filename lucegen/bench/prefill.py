@@ -3,7 +3,8 @@ Qwen3.5-0.8B and 27B in bf16, with random weights of the real shapes filled on t
 
 Each prefill is captured once in a CUDA graph (no host launch overhead) and replayed. FLOPs counted: 2 x the
 layers' matrix parameters x T, the LM head of the last token, and causal attention (QK^T and PV over T(T+1)/2
-query-key pairs per head); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
+query-key pairs per head), as if every layer ran on every token (the prefill runs the last layer past its mixer on
+the last token only); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
 compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
 the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
 every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with

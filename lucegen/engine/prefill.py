@@ -9,6 +9,8 @@ One pass over n tokens at positions start .. start+n-1 (x: the fp32 residual str
       attention: qkv = h qkv^T (bf16) -> q/k norm, RoPE, K/V into the cache -> causal flash attention with the
                 output gate -> x += . o_proj^T
       MLP:      h = rmsnorm(x) -> act = silu(h gate^T) * (h up^T) (one GEMM) -> x += act down^T
+In the last layer, everything after the mixer's state and cache updates runs on the pass's last row only (its
+output, out-projection and MLP): nothing reads the other rows' (llama.cpp's output-row selection).
 after the last pass: logits = lm_head rmsnorm(x[last]) (the bf16 GEMV of the decode path).
 Activations between kernels are bf16 where a tensor-core GEMM or attention reads them, fp32 elsewhere (the
 residual stream, the in-projection rows of a DeltaNet layer, the DeltaNet output before its norm).
@@ -85,7 +87,7 @@ class Prefill:
         self.proj = DeviceArray.empty(n * max(4 * mixed_w, 2 * qkv_w), np.uint8)  # mixed (DeltaNet) or qkv (attention)
         self.mixed = self.proj.view((n, mixed_w), np.float32)
         self.qkv_attn = self.proj.view((n, qkv_w), BF16)
-        self.y = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), BF16)
+        self.y = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), BF16)  # mixer output
         self.act = DeviceArray.empty((n, c.intermediate_size), BF16)
         if c.linear_layers:
             self.qkv = DeviceArray.empty((n, c.conv_dim), BF16)
@@ -125,29 +127,38 @@ class Prefill:
     def _pass(self, weights: DeviceWeights, state: DeviceState, ids: DeviceArray, n: int, stream) -> None:
         c, start, eps = self.cfg, state.position, self.cfg.rms_norm_eps
         H, I = c.hidden_size, c.intermediate_size
-        mm = lambda x, w, y, k, epilogue: self.gemm(x, w, y, n, w.shape[0], k, epilogue, stream=stream)
         self.rows.embed(ids, weights.embed, self.x, n, stream=stream)
         for i, kind in enumerate(c.layer_types):
             L = weights.layers[i]
+            r = n - 1 if i == c.num_hidden_layers - 1 else 0  # the first row past the mixer's updates that counts
+            m = n - r
+            at = lambda a: _rows(a, r, m)
+            mm = lambda x, w, y, k, epilogue: self.gemm(at(x), w, at(y), m, w.shape[0], k, epilogue, stream=stream)
             self.rows.rmsnorm(self.x, L["ln1"], self.h, n, eps, stream=stream)
             if kind == LINEAR:
-                mm(self.h, L["in"], self.mixed, H, "f32")
+                self.gemm(self.h, L["in"], self.mixed, n, L["in"].shape[0], H, "f32", stream=stream)
                 self.conv(self.mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], self.qkv, self.g,
                           self.beta, n, start, stream=stream)
                 self.gdn(self.qkv, self.g, self.beta, state.recurrent[i], self.o, self.scratch, n, start > 0,
                          stream=stream)
-                self.gdn.gated_norm(self.o, self.mixed, L["norm"], self.y, n, eps, stream=stream)
-                mm(self.y, L["out"], self.x, c.value_dim, "add")
+                y = self._mixer_out(c.value_dim)
+                self.gdn.gated_norm(at(self.o), at(self.mixed), L["norm"], at(y), m, eps, stream=stream)
+                mm(y, L["out"], self.x, c.value_dim, "add")
             else:
-                mm(self.h, L["in"], self.qkv_attn, H, "bf16")
+                self.gemm(self.h, L["in"], self.qkv_attn, n, L["in"].shape[0], H, "bf16", stream=stream)
                 self.attn.prep(self.qkv_attn, L["q_norm"], L["k_norm"], self.q, state.keys[i], state.values[i], n,
                                start, stream=stream)
-                self.attn.attend(self.q, state.keys[i], state.values[i], self.qkv_attn, self.y, n, start,
+                y = self._mixer_out(c.num_attention_heads * c.head_dim)
+                self.attn.attend(at(self.q), state.keys[i], state.values[i], at(self.qkv_attn), at(y), m, start + r,
                                  stream=stream)
-                mm(self.y, L["out"], self.x, c.num_attention_heads * c.head_dim, "add")
-            self.rows.rmsnorm(self.x, L["ln2"], self.h, n, eps, stream=stream)
+                mm(y, L["out"], self.x, y.shape[1], "add")
+            self.rows.rmsnorm(at(self.x), L["ln2"], at(self.h), m, eps, stream=stream)
             mm(self.h, L["gate_up"], self.act, H, "silu")
             mm(self.act, L["down"], self.x, I, "add")
+
+    def _mixer_out(self, width: int) -> DeviceArray:
+        """The mixer's output buffer as rows of `width` values."""
+        return self.y.view((self.y.shape[0], width))
 
     def free(self) -> None:
         for name in ("x", "h", "proj", "y", "act", "qkv", "g", "beta", "o", "q", "last", "logits", "ids"):
@@ -157,3 +168,9 @@ class Prefill:
             self.scratch.free()
         self.gemm.free()  # split-K's workspace and tile counters
         self.stream.destroy()
+
+
+def _rows(a: DeviceArray, first: int, count: int) -> DeviceArray:
+    """Rows first .. first + count - 1 of a [rows, ...] array, as a view."""
+    row_bytes = a.nbytes // a.shape[0]
+    return a.view((count, *a.shape[1:]), offset_bytes=first * row_bytes)
