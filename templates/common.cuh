@@ -54,11 +54,19 @@ __device__ __forceinline__ void launch_next_grid() {
 }
 
 // The start of a short kernel that has nothing to do before its inputs are ready: the next kernel may launch, and
-// this one waits for the one before. A long kernel rather lets the next one launch near its end: blocks launched
-// early sit on the SMs until it ends, taking shared memory and warp slots from its later blocks.
+// this one waits for the one before (the layer-by-layer decode step's kernels, each a few microseconds).
 __device__ __forceinline__ void follow_prior_grids() {
     launch_next_grid();
     wait_for_prior_grids();
+}
+
+// The same, the other way round: wait for the kernel before, then let the next one launch, so that at most one kernel
+// is launched ahead of the one running (the prefill's: a chain of early launches parks blocks on the SMs that a
+// register- or shared-memory-hungry GEMM block then waits for). A long kernel rather lets the next one launch near
+// its end: blocks launched early sit on the SMs until it ends, taking shared memory and warp slots from it.
+__device__ __forceinline__ void run_after_prior_grids() {
+    wait_for_prior_grids();
+    launch_next_grid();
 }
 
 // Eight bf16 packed in a uint4 -> dot product with eight other bf16, accumulated in fp32.

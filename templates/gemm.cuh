@@ -266,7 +266,7 @@ __device__ void gemm_bf16_tn(const bf16* __restrict__ X, const bf16* __restrict_
     using ATile = SwizzledTile<S::BM, S::BK>;
     using BTile = SwizzledTile<S::BN, S::BK>;
     constexpr int STAGE = ATile::BYTES + BTile::BYTES;
-    follow_prior_grids();
+    run_after_prior_grids();
     const GemmWork work = gemm_block_work<S>(M, N, K);
     const int m0 = work.tm * S::BM, n0 = work.tn * S::BN, k_tiles = work.k_tiles;
     const int warp = threadIdx.x / 32, wm = warp / S::WN * S::TM, wn = warp % S::WN * S::TN;
