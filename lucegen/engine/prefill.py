@@ -60,11 +60,11 @@ class Prefill:
     def __init__(self, spec: ChipSpec, cfg: ModelConfig, chunk_tokens: int | None = None, root: Path = BUILD_DIR):
         self.spec, self.cfg = spec, cfg
         self.chunk = chunk_tokens or spec.tuning.prefill.chunk_tokens
-        self.stream = Stream(programmatic=spec.tuning.prefill.pdl)
         if self.chunk % gdn.CHUNK:
             raise ValueError(f"chunk_tokens {self.chunk} is not a multiple of the DeltaNet chunk {gdn.CHUNK}")
         if problem := shape_problem(spec, cfg):
             raise ValueError(problem)
+        self.stream = Stream(programmatic=spec.tuning.prefill.pdl)
         result = build(spec, cfg, units(spec, cfg), root=root)
         modules = {u.unit.template: result.module(u.unit.name) for u in result.units}
         self.rows = rows.Rows(modules["prefill_rows.cu.j2"], spec, cfg)

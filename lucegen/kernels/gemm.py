@@ -9,9 +9,9 @@ row i: the packing of kernels.megakernel, whose weight arena the prefill reads).
 Two methods (the spec's tuning.prefill.gemm): `mma` (every chip: mma.sync with cp.async stages, gemm.cuh) and `wgmma`
 (Hopper, sm_90a: a TMA producer warpgroup feeding wgmma consumer warpgroups through mbarrier stages, gemm_wgmma.cuh;
 the launcher passes X and W as 2-D tensor maps, and launches no more blocks than the SMs hold at once: each takes
-tiles in turn, its next tile's loads under its last one's epilogue). Two tile shapes are compiled per chip and method: a large one (the
-most throughput per block) and a small one (more blocks for short prompts and narrow outputs); the launcher picks,
-per call, the one with the shorter estimated time.
+tiles in turn, its next tile's loads under its last one's epilogue). Two tile shapes are compiled per chip and
+method: a large one (the most throughput per block) and a small one (more blocks for short prompts and narrow
+outputs); the launcher picks, per call, the one with the shorter estimated time.
 
 Split-K (tuning.prefill.split_k > 1): an `add` whose tiles are fewer than the SMs (the 0.8B's N = 1024 projections at
 a short prompt) is split along K into `splits` slices, slice s taking k tiles [s KT / splits, (s + 1) KT / splits)
