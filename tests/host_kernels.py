@@ -213,7 +213,7 @@ class HostModule:
 
 
 class HostStream:
-    """The prefill's own stream on the host: every launch has run when it returns."""
+    """A stream on the host (the prefill's, the layered step's, the draft's): every launch has run when it returns."""
 
     def __init__(self, programmatic: bool = False):
         self.programmatic = programmatic

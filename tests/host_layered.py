@@ -24,7 +24,7 @@ from lucegen.model.gguf_file import gguf_name, load_gguf
 from lucegen.model.quants import GGMLType, dequantize
 from lucegen.model.weights import open_weights
 from lucegen.engine.layered_weights import Source
-from host_kernels import HostArray, on_host, rows_of, store
+from host_kernels import HostArray, HostStream, on_host, rows_of, store
 
 
 class HostGraph:
@@ -51,17 +51,6 @@ class HostGraph:
 
     def destroy(self) -> None:
         self.launches = None  # a replay after destroy() fails loudly
-
-
-class HostStream:
-    def __init__(self, programmatic: bool = False):
-        self.programmatic = programmatic
-
-    def synchronize(self) -> None:
-        pass
-
-    def destroy(self) -> None:
-        pass
 
 
 def _pos(io, start: int) -> int:

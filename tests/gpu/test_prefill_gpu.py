@@ -132,7 +132,11 @@ def gemms(spec, tmp_path_factory):
 def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
     op, spec = gemms(method)
     config = gemm.tile_configs(spec)[tile == "small"]
-    n = 16 * n16 - 2 * (seed % 8)  # every even N mod 16: partial last column tiles
+    check_gemm(op, config, m, 16 * n16 - 2 * (seed % 8), k, epilogue, seed)  # every even N mod 16: partial tiles
+
+
+def check_gemm(op, config, m: int, n: int, k: int, epilogue: str, seed: int) -> None:
+    """One launch on fresh inputs (the output poisoned, but for `add`) against gemm.reference."""
     rng = np.random.default_rng(seed)
     x = bf16(rng.standard_normal((m, k), dtype=np.float32))
     w = bf16(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
@@ -141,8 +145,7 @@ def test_gemm_matches_numpy(gemms, method, epilogue, tile, m, n16, k, seed):
     out_dtype = BF16 if epilogue in ("bf16", "silu") else np.float32
     y = dev(y0) if epilogue == "add" else poisoned((m, width), out_dtype)
     op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
-    ref = gemm.reference(x, w, epilogue, y0)
-    assert rel_err(y.numpy(), ref) < (8e-3 if out_dtype == BF16 else 1e-5)
+    assert rel_err(y.numpy(), gemm.reference(x, w, epilogue, y0)) < (8e-3 if out_dtype == BF16 else 1e-5)
 
 
 @pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
@@ -155,15 +158,7 @@ def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue,
     op, spec = gemms(method)
     config = gemm.tile_configs(spec)[tile == "small"]
     assert config.tiles(m, n) > 2 * spec.chip.sm_count * config.min_blocks  # the test can tell
-    rng = np.random.default_rng(m + n + k)
-    x = bf16(rng.standard_normal((m, k), dtype=np.float32))
-    w = bf16(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
-    width = n // 2 if epilogue == "silu" else n
-    y0 = rng.standard_normal((m, width), dtype=np.float32)
-    out_dtype = BF16 if epilogue in ("bf16", "silu") else np.float32
-    y = dev(y0) if epilogue == "add" else poisoned((m, width), out_dtype)
-    op(dev(x), dev(w), y, m, n, k, epilogue, config=config)
-    assert rel_err(y.numpy(), gemm.reference(x, w, epilogue, y0)) < (8e-3 if out_dtype == BF16 else 1e-5)
+    check_gemm(op, config, m, n, k, epilogue, m + n + k)
 
 
 SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
