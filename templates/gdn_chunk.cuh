@@ -9,7 +9,7 @@
 //       o  = e^c o (q S) + Aqk v'
 //       S  = e^(c_last) S + (e^(c_last - c) o k)^T v'
 // Two kernels. gdn_prep, parallel over (chunk, value head): norms, cumsum, A and Aqk (bf16 mma on the raw bf16 q, k:
-// exact products), T by forward substitution in fp32, written to scratch with the per-token factors. gdn_scan,
+// exact products), T by blocked forward substitution in fp32, written to scratch with the per-token factors. gdn_scan,
 // parallel over (value head, BV-column slice of dv) -- the columns of S are independent -- walks the chunks in order
 // with its state slice in registers; its products with S, v' and T use tf32 mma (fp32 operands rounded to 10-bit
 // mantissas, fp32 accumulation; q and k are bf16, exact in tf32), the state itself is only ever accumulated in fp32.
@@ -78,13 +78,15 @@ __device__ __forceinline__ void mat64_a_frag(unsigned (&a)[4], const float* m, i
 
 template <class S>
 struct GdnPrepSmem {
-    static constexpr int BYTES = 2 * 64 * S::DK * 2 + 64 * GDN_MAT_LD * 4 + 5 * 64 * 4;
+    static constexpr int BYTES = 2 * 64 * S::DK * 2 + 2 * 64 * GDN_MAT_LD * 4 + 5 * 64 * 4;
     SwizzledTile<64, S::DK> q, k;
     float* a;                          // [64][GDN_MAT_LD]: A, strictly lower
+    float* t;                          // [64][GDN_MAT_LD]: T = (I + A)^-1
     float *g, *beta, *c, *qn, *kn;     // [64] each: log-decay, beta, cumsum, q and k norm factors
     __device__ __forceinline__ explicit GdnPrepSmem(unsigned char* p)
         : q{p}, k{p + 64 * S::DK * 2}, a(reinterpret_cast<float*>(p + 2 * 64 * S::DK * 2)) {
-        g = a + 64 * GDN_MAT_LD, beta = g + 64, c = beta + 64, qn = c + 64, kn = qn + 64;
+        t = a + 64 * GDN_MAT_LD;
+        g = t + 64 * GDN_MAT_LD, beta = g + 64, c = beta + 64, qn = c + 64, kn = qn + 64;
     }
 };
 
@@ -105,21 +107,66 @@ __device__ __forceinline__ void row_sumsq(SwizzledTile<64, DK> tile, F&& out) {
     }
 }
 
-// Column j of T = (I + A)^-1 for a strictly lower A (64 x 64, padded rows) by forward substitution in fp32:
-// x_i = [i == j] - sum_{m < i} A[i][m] x_m. The column lives in registers; A rows are read as broadcasts.
-__device__ __forceinline__ void unit_lower_inverse_column(const float* a, int j, float (&x)[64]) {
+// T = (I + A)^-1 for a strictly lower A (64 x 64, padded rows) in fp32, by the block's four warps (FLA's solve_tril):
+// warp w inverts diagonal block w by forward substitution (lane l < 16: column l, 16 steps), then the blocks below
+// the diagonal follow one distance at a time, T_ij = -T_ii (sum_{k=j}^{i-1} A_ik T_kj), the sum staged in A's unused
+// block (j, i) above its diagonal. T is written whole (zeros above the diagonal) to t (64 x 64, padded rows). The
+// other 16 lanes of each warp run `side(r)` for r = 16 w .. 16 w + 15 during the diagonal blocks. Ends with
+// __syncthreads().
+template <class F>
+__device__ __forceinline__ void unit_lower_inverse(float* a, float* t, F&& side) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 16 * warp;
+    for (int e = lane; e < 16 * (48 - d0); e += 32)  // the blocks right of the diagonal block: zero
+        t[(d0 + e / (48 - d0)) * GDN_MAT_LD + d0 + 16 + e % (48 - d0)] = 0.f;
+    if (lane < 16) {
+        float x[16];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) x[i] = 0.f;
+        for (int r = 0; r < 16; ++r) {
+            const float* row = a + (d0 + r) * GDN_MAT_LD + d0;
+            float s = r == lane ? 1.f : 0.f;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // A[i][m] = 0 for m >= i, and so is x_m: whole quads are safe
-#pragma unroll
-        for (int m = 0; m < i; m += 4) {
-            const float4 r = *reinterpret_cast<const float4*>(a + i * GDN_MAT_LD + m);
-            s0 = fmaf(r.x, x[m], s0), s1 = fmaf(r.y, x[m + 1], s1);
-            s2 = fmaf(r.z, x[m + 2], s2), s3 = fmaf(r.w, x[m + 3], s3);
+            for (int m = 0; m < r; ++m) s = fmaf(-row[m], x[m], s);
+            x[r] = s;
         }
-        x[i] = (i == j ? 1.f : 0.f) - ((s0 + s1) + (s2 + s3));
+#pragma unroll
+        for (int r = 0; r < 16; ++r) t[(d0 + r) * GDN_MAT_LD + d0 + lane] = x[r];
+    } else {
+        side(d0 + lane - 16);
+    }
+    __syncthreads();
+    const int r = lane / 2, c0 = lane % 2 * 8;  // this lane's row and 8 columns of a 16 x 16 block
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        if (warp < 4 - d) {
+            const int j = warp, i = warp + d;
+            float p[8] = {};
+            for (int k = j; k < i; ++k)
+#pragma unroll
+                for (int m = 0; m < 16; ++m) {
+                    const float aim = a[(16 * i + r) * GDN_MAT_LD + 16 * k + m];
+                    const float* tk = t + (16 * k + m) * GDN_MAT_LD + 16 * j + c0;
+                    const float4 lo = *reinterpret_cast<const float4*>(tk), hi = *reinterpret_cast<const float4*>(tk + 4);
+                    p[0] = fmaf(aim, lo.x, p[0]), p[1] = fmaf(aim, lo.y, p[1]);
+                    p[2] = fmaf(aim, lo.z, p[2]), p[3] = fmaf(aim, lo.w, p[3]);
+                    p[4] = fmaf(aim, hi.x, p[4]), p[5] = fmaf(aim, hi.y, p[5]);
+                    p[6] = fmaf(aim, hi.z, p[6]), p[7] = fmaf(aim, hi.w, p[7]);
+                }
+            float* stage = a + (16 * j + r) * GDN_MAT_LD + 16 * i + c0;  // above A's diagonal: never read as A
+#pragma unroll
+            for (int u = 0; u < 8; ++u) stage[u] = p[u];
+            __syncwarp();
+            float o[8] = {};
+#pragma unroll
+            for (int m = 0; m < 16; ++m) {  // T_ii is lower triangular: its zeros above the diagonal add nothing
+                const float tim = t[(16 * i + r) * GDN_MAT_LD + 16 * i + m];
+                const float* pm = a + (16 * j + m) * GDN_MAT_LD + 16 * i + c0;
+#pragma unroll
+                for (int u = 0; u < 8; ++u) o[u] = fmaf(-tim, pm[u], o[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) t[(16 * i + r) * GDN_MAT_LD + 16 * j + c0 + u] = o[u];
+        }
+        __syncthreads();
     }
 }
 
@@ -198,22 +245,18 @@ __device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__
         }
     __syncthreads();
 
-    if (threadIdx.x < 64) {  // thread j: column j of T
-        float x[64];
-        unit_lower_inverse_column(sm.a, threadIdx.x, x);
-        float* out = wy + ch.scratch * 64 * 64 + threadIdx.x;
-#pragma unroll
-        for (int i = 0; i < 64; ++i) out[i * 64] = x[i];
-    } else {  // the per-token factors
-        const int r = threadIdx.x - 64;
-        float* f = fac + ch.scratch * GDN_FAC;
+    float* f = fac + ch.scratch * GDN_FAC;
+    unit_lower_inverse(sm.a, sm.t, [&](int r) {  // the per-token factors, beside the diagonal blocks
         const float last = sm.c[63], ec = __expf(sm.c[r]);
         f[r] = sm.beta[r];
         f[64 + r] = ec * sm.kn[r];
         f[128 + r] = ec * sm.qn[r];
         f[192 + r] = __expf(last - sm.c[r]) * sm.kn[r];
         f[256 + r] = r == 0 ? __expf(last) : 0.f;
-    }
+    });
+    float4* out = reinterpret_cast<float4*>(wy + ch.scratch * 64 * 64);
+    for (int e = threadIdx.x; e < 64 * 16; e += THREADS)
+        out[e] = *reinterpret_cast<const float4*>(sm.t + e / 16 * GDN_MAT_LD + e % 16 * 4);
 }
 
 // ---- gdn_scan ------------------------------------------------------------------------------------------------

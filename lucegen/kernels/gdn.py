@@ -53,7 +53,7 @@ def gated_norm_reference(o: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float
 
 
 def prep_smem(cfg: ModelConfig) -> int:
-    return 2 * CHUNK * cfg.linear_key_head_dim * 2 + CHUNK * MAT_LD * 4 + 5 * CHUNK * 4
+    return 2 * CHUNK * cfg.linear_key_head_dim * 2 + 2 * CHUNK * MAT_LD * 4 + 5 * CHUNK * 4
 
 
 def scan_smem(cfg: ModelConfig, bv: int, stages: int) -> int:
