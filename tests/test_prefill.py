@@ -230,3 +230,46 @@ def test_conv_reference_on_a_ring_continues_like_the_layer(t1, t2, seed):
     whole, state = causal_conv1d(mixed[:, :C], conv_w, np.zeros((3, C), np.float32))
     assert np.allclose(np.concatenate([first[0], second[0]]), silu(whole), rtol=1e-6, atol=1e-6)
     assert np.array_equal(conv1d.ring_to_state(second[3], t1 + t2), state)
+
+
+def blocked_inverse_model(a: np.ndarray) -> np.ndarray:
+    """templates/gdn_chunk.cuh's unit_lower_inverse in numpy, step by step: (I + A)^-1 for a strictly lower 64 x 64
+    A, from the 16 x 16 diagonal blocks' forward substitution (warp w, lane l: column l of block w, in fp32 fmaf
+    order) and then, one distance d at a time, T_ij = -T_ii (sum_k A_ik T_kj), the sum staged in A's block (j, i)."""
+    a = a.astype(np.float32).copy()
+    t = np.full((64, 64), np.nan, np.float32)
+    for w in range(4):
+        d0 = 16 * w
+        t[d0:d0 + 16, d0 + 16:] = 0
+        for lane in range(16):
+            x = np.zeros(16, np.float32)
+            for r in range(16):
+                s = np.float32(1.0 if r == lane else 0.0)
+                for m in range(r):
+                    s = np.float32(np.float64(-a[d0 + r, d0 + m]) * x[m] + s)
+                x[r] = s
+            t[d0:d0 + 16, d0 + lane] = x
+    for d in range(1, 4):
+        for j in range(4 - d):
+            i = j + d
+            p = sum(a[16 * i:16 * i + 16, 16 * k:16 * k + 16].astype(np.float64) @ t[16 * k:16 * k + 16, 16 * j:16 * j + 16]
+                    for k in range(j, i))
+            a[16 * j:16 * j + 16, 16 * i:16 * i + 16] = p
+            t[16 * i:16 * i + 16, 16 * j:16 * j + 16] = -(t[16 * i:16 * i + 16, 16 * i:16 * i + 16].astype(np.float64)
+                                                          @ a[16 * j:16 * j + 16, 16 * i:16 * i + 16])
+    return t
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_blocked_inverse_is_the_inverse(seed):
+    """The prep's blocked T = (I + A)^-1 (every element written, the blocks joined in the right order): against
+    numpy's inverse in float64 on an A as the delta rule makes it (beta k k^T with decays, strictly lower)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((64, 128))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    decay = np.exp(-0.02 * np.subtract.outer(np.arange(64), np.arange(64)))  # below the diagonal: e^(c_i - c_j) <= 1
+    a = np.tril(rng.uniform(0, 1, (64, 1)) * (k @ k.T) * decay, -1)
+    t = blocked_inverse_model(a)
+    assert not np.isnan(t).any()
+    want = np.linalg.inv(np.eye(64) + a)
+    assert np.abs(t - want).max() / np.abs(want).max() < 1e-5
