@@ -1,0 +1,87 @@
+"""Quantized weights on fp16 tensor cores, one kernel for every M (templates/qgemm_tc.cuh): numpy reference, units,
+launcher. Q4_K only, so far.
+
+Y [M, N] fp32 = X [M, K] W^T for Q4_K rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16
+in registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X rounded to fp16, with fp32 sums on
+tensor cores. The decode GEMV (M = 1) and the GEMM of a tree verify are the same kernel; a token's outputs are the
+same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asserts it), so greedy verification
+needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
+tensor core's, so the numpy reference is within a tolerance, not bit for bit.
+
+Status: session 9's first draft (docs/design.md, "Session 9"), not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen.unit import KernelSig, KernelUnit
+from ..model.quants import _half, _nibbles_k, _scale_min_k4
+from ..runtime.memory import DeviceArray
+from ..spec import ChipSpec
+
+BLOCK_VALUES, BLOCK_BYTES = 256, 144
+WARPS = 4     # warps a block, each a share of K's super-blocks
+M_TILES = (1, 2, 3)  # 16-token tiles of the kernels; a launch takes the fewest that hold its rows (at most 48;
+                     # more rows, more launches): the same arithmetic per token in each
+ROWS = 8      # output rows a block (one mma n-tile)
+UNIT = "qgemm_tc"
+
+
+def dequantize_fp16(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows [N, K / 256 * 144] (uint8) -> the fp16 weights [N, K] the kernel makes: fl16(q s + b) with
+    s = fl16(d sc), b = fl16(-(dmin m)) (d sc and dmin m are exact in fp32; q s + b is rounded once, as HFMA2)."""
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES)
+    d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+    sc, m = _scale_min_k4(b[:, 4:16])
+    s = (d * sc).astype(np.float16).astype(np.float64)
+    bias = (-(dmin * m)).astype(np.float16).astype(np.float64)
+    q = _nibbles_k(b[:, 16:144]).astype(np.float64)
+    w = (q * s[:, :, None] + bias[:, :, None]).astype(np.float16)  # exact in float64, then one rounding
+    return w.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Y [M, N] in float64 from the kernel's fp16 operands: X rounded to fp16, the fp16 weights."""
+    x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
+    return x16 @ dequantize_fp16(raw).astype(np.float64).T
+
+
+def shape_problem(n: int, k: int) -> str | None:
+    if k % BLOCK_VALUES or n % ROWS:
+        return f"the tensor-core Q4_K GEMM takes K a multiple of {BLOCK_VALUES} and N of {ROWS}; got {n} x {k}"
+    return None
+
+
+def units(spec: ChipSpec) -> list[KernelUnit]:
+    """One unit per chip (the shapes are launch arguments)."""
+    sigs = tuple(KernelSig(f"qgemm_tc_q4_k_mt{mt}", WARPS * 32) for mt in M_TILES)
+    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "m_tiles": M_TILES},
+                       (*sigs, KernelSig("qgemm_tc_x16", 256)))]
+
+
+class QGemmTC:
+    """y [m, n] fp32 = x [m, k] fp32 . w^T for Q4_K rows w: x rounded to fp16 into a buffer of its own, then the
+    product, at most 16 * max(M_TILES) rows a launch."""
+
+    def __init__(self, module, spec: ChipSpec, max_rows: int, k: int):
+        self.spec, self.k = spec, k
+        self.gemm = {mt: module.kernel(f"qgemm_tc_q4_k_mt{mt}") for mt in M_TILES}
+        self.to_half = module.kernel("qgemm_tc_x16")
+        self.x16 = DeviceArray.empty((max_rows, k), np.float16)
+
+    def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None) -> None:
+        if problem := shape_problem(n, self.k):
+            raise ValueError(problem)
+        if m > self.x16.shape[0]:
+            raise ValueError(f"{m} rows exceed the {self.x16.shape[0]} this GEMM was made for")
+        k = self.k
+        self.to_half(min(4 * self.spec.chip.sm_count, -(-m * k // 256)), 256, x, self.x16, m * k, stream=stream)
+        per = 16 * max(M_TILES)
+        for m0 in range(0, m, per):
+            rows = min(per, m - m0)
+            self.gemm[-(-rows // 16)](n // ROWS, WARPS * 32, w, self.x16.view((rows, k), offset_bytes=2 * m0 * k),
+                      y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
+
+    def free(self) -> None:
+        self.x16.free()
