@@ -21,8 +21,12 @@ from ..spec import ChipSpec
 
 BLOCK_VALUES, BLOCK_BYTES = 256, 144
 WARPS = 4     # warps a block, each a share of K's super-blocks
-M_TILES = (1, 2, 3)  # 16-token tiles of the kernels; a launch takes the fewest that hold its rows (at most 48;
-                     # more rows, more launches): the same arithmetic per token in each
+# (kernel, the most rows it takes): 8 (one tile of 16 whose rows 8 .. 15 are zeros, not loads: the decode GEMV and
+# small verifies), 16, 32, 48 (tiles of 16); a launch takes the first that holds its rows (more than 48: more
+# launches). Every kernel does the same arithmetic per token.
+VARIANTS = (("qgemm_tc_q4_k_m8", 1, True, 8), ("qgemm_tc_q4_k_m16", 1, False, 16),
+            ("qgemm_tc_q4_k_m32", 2, False, 32), ("qgemm_tc_q4_k_m48", 3, False, 48))
+MAX_ROWS_A_LAUNCH = VARIANTS[-1][3]
 ROWS = 8      # output rows a block (one mma n-tile)
 UNIT = "qgemm_tc"
 
@@ -55,18 +59,19 @@ def shape_problem(n: int, k: int) -> str | None:
 
 def units(spec: ChipSpec) -> list[KernelUnit]:
     """One unit per chip (the shapes are launch arguments)."""
-    sigs = tuple(KernelSig(f"qgemm_tc_q4_k_mt{mt}", WARPS * 32) for mt in M_TILES)
-    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "m_tiles": M_TILES},
+    variants = [{"name": name, "mt": mt, "half": half, "rows": rows} for name, mt, half, rows in VARIANTS]
+    sigs = tuple(KernelSig(name, WARPS * 32) for name, *_ in VARIANTS)
+    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants},
                        (*sigs, KernelSig("qgemm_tc_x16", 256)))]
 
 
 class QGemmTC:
     """y [m, n] fp32 = x [m, k] fp32 . w^T for Q4_K rows w: x rounded to fp16 into a buffer of its own, then the
-    product, at most 16 * max(M_TILES) rows a launch."""
+    product, at most MAX_ROWS_A_LAUNCH rows a launch."""
 
     def __init__(self, module, spec: ChipSpec, max_rows: int, k: int):
         self.spec, self.k = spec, k
-        self.gemm = {mt: module.kernel(f"qgemm_tc_q4_k_mt{mt}") for mt in M_TILES}
+        self.gemm = [(rows, module.kernel(name)) for name, _, _, rows in VARIANTS]
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((max_rows, k), np.float16)
 
@@ -77,10 +82,10 @@ class QGemmTC:
             raise ValueError(f"{m} rows exceed the {self.x16.shape[0]} this GEMM was made for")
         k = self.k
         self.to_half(min(4 * self.spec.chip.sm_count, -(-m * k // 256)), 256, x, self.x16, m * k, stream=stream)
-        per = 16 * max(M_TILES)
-        for m0 in range(0, m, per):
-            rows = min(per, m - m0)
-            self.gemm[-(-rows // 16)](n // ROWS, WARPS * 32, w, self.x16.view((rows, k), offset_bytes=2 * m0 * k),
+        for m0 in range(0, m, MAX_ROWS_A_LAUNCH):
+            rows = min(MAX_ROWS_A_LAUNCH, m - m0)
+            kernel = next(k for most, k in self.gemm if rows <= most)
+            kernel(n // ROWS, WARPS * 32, w, self.x16.view((rows, k), offset_bytes=2 * m0 * k),
                       y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
 
     def free(self) -> None:
