@@ -67,7 +67,10 @@ def units(spec: ChipSpec) -> list[KernelUnit]:
 
 class QGemmTC:
     """y [m, n] fp32 = x [m, k] fp32 . w^T for Q4_K rows w: x rounded to fp16 into a buffer of its own, then the
-    product, at most MAX_ROWS_A_LAUNCH rows a launch."""
+    product, at most MAX_ROWS_A_LAUNCH rows a launch. Called as qgemv.QMatmul is (the layered step's projections
+    take either): it makes no XBlocks (xq), and ignores any it is given."""
+
+    xq = None
 
     def __init__(self, module, spec: ChipSpec, max_rows: int, k: int):
         self.spec, self.k = spec, k
@@ -75,7 +78,8 @@ class QGemmTC:
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((max_rows, k), np.float16)
 
-    def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None) -> None:
+    def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
+                 xq=None) -> None:
         if m > self.x16.shape[0]:
             raise ValueError(f"{m} rows exceed the {self.x16.shape[0]} this GEMM was made for")
         k = self.k
