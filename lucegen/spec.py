@@ -61,7 +61,7 @@ class Launch:
 
 
 GEMV_METHODS = ("ldg", "bulk")
-TENSOR_CORE_FORMATS = ("q4_k",)  # kernels/qgemm_tc.py's
+TENSOR_CORE_FORMATS = ("q4_k", "q6_k")  # kernels/qgemm_tc.py's
 QGEMM_METHODS = ("dp4a", "mma")  # the quantized GEMM (M > 1): integer dot products, or int8 mma.sync (sm_80+)
 
 

@@ -114,7 +114,7 @@ class LayeredStep:
         self.mm = {}
         for fmt, k in weights.pairs():
             if fmt in spec.tuning.qgemv.tensor_core_formats:  # one batch-invariant kernel for every M
-                self.mm[fmt, k] = qgemm_tc.QGemmTC(mod(qgemm_tc.UNIT), spec, self.max_rows, k)
+                self.mm[fmt, k] = qgemm_tc.QGemmTC(mod(qgemm_tc.UNIT), spec, fmt, self.max_rows, k)
                 continue
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)

@@ -1,8 +1,8 @@
 """Quantized weights on fp16 tensor cores, one kernel for every M (templates/qgemm_tc.cuh): numpy reference, units,
-launcher. Q4_K only, so far.
+launcher. Q4_K and Q6_K (the formats of a Q4_K_M file's matrices).
 
-Y [M, N] fp32 = X [M, K] W^T for Q4_K rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16
-in registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X rounded to fp16, with fp32 sums on
+Y [M, N] fp32 = X [M, K] W^T for rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16 in
+registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X rounded to fp16, with fp32 sums on
 tensor cores. The decode GEMV (M = 1) and the GEMM of a tree verify are the same kernel; a token's outputs are the
 same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asserts it), so greedy verification
 needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
@@ -17,64 +17,84 @@ import numpy as np
 from ..codegen.unit import KernelSig, KernelUnit
 from ..model.quants import _half, _nibbles_k, _scale_min_k4
 from ..runtime.memory import DeviceArray
-from ..spec import ChipSpec
+from ..spec import TENSOR_CORE_FORMATS, ChipSpec
 
-BLOCK_VALUES, BLOCK_BYTES = 256, 144
+BLOCK_VALUES = 256
+BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+CLASSES = {"q4_k": "TcQ4K", "q6_k": "TcQ6K"}
 WARPS = 4     # warps a block, each a share of K's super-blocks
-# (kernel, the most rows it takes): 8 (one tile of 16 whose rows 8 .. 15 are zeros, not loads: the decode GEMV and
-# small verifies), 16, 32, 48 (tiles of 16); a launch takes the first that holds its rows (more than 48: more
-# launches). Every kernel does the same arithmetic per token.
-VARIANTS = (("qgemm_tc_q4_k_m8", 1, True, 8), ("qgemm_tc_q4_k_m16", 1, False, 16),
-            ("qgemm_tc_q4_k_m32", 2, False, 32), ("qgemm_tc_q4_k_m48", 3, False, 48))
-MAX_ROWS_A_LAUNCH = VARIANTS[-1][3]
+# (rows suffix, 16-token tiles, tile rows 8 .. 15 zeros, the most rows): 8 (the decode GEMV and small verifies), 16,
+# 32, 48; a launch takes the first that holds its rows (more than 48: more launches). Every kernel does the same
+# arithmetic per token.
+VARIANTS = ((8, 1, True), (16, 1, False), (32, 2, False), (48, 3, False))
+MAX_ROWS_A_LAUNCH = VARIANTS[-1][0]
 ROWS = 8      # output rows a block (one mma n-tile)
 UNIT = "qgemm_tc"
 
 
-def dequantize_fp16(raw: np.ndarray) -> np.ndarray:
-    """Q4_K rows [N, K / 256 * 144] (uint8) -> the fp16 weights [N, K] the kernel makes: fl16(q s + b) with
-    s = fl16(d sc), b = fl16(-(dmin m)) (d sc and dmin m are exact in fp32; q s + b is rounded once, as HFMA2)."""
-    n = raw.shape[0]
-    b = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES)
+def kernel_name(fmt: str, rows: int) -> str:
+    return f"qgemm_tc_{fmt}_m{rows}"
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+    """fl16(q s + b) with s = fl16(d sc), b = fl16(-(dmin m)) (d sc, dmin m exact in fp32; one rounding, as HFMA2)."""
     d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
     sc, m = _scale_min_k4(b[:, 4:16])
     s = (d * sc).astype(np.float16).astype(np.float64)
     bias = (-(dmin * m)).astype(np.float16).astype(np.float64)
     q = _nibbles_k(b[:, 16:144]).astype(np.float64)
-    w = (q * s[:, :, None] + bias[:, :, None]).astype(np.float16)  # exact in float64, then one rounding
-    return w.reshape(n, -1)
+    return (q * s[:, :, None] + bias[:, :, None]).astype(np.float16)
 
 
-def reference(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    """fl16((q - 32) s) with s = fl16(d sc) (d sc exact in fp32; one rounding, as HMUL2)."""
+    ql = b[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
+    ql = (ql & 0xF).reshape(-1, 2, 4, 32)
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = ((ql | (qh << 4)).astype(np.float64) - 32).reshape(-1, 16, 16)
+    s = (_half(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16)
+    return (q * s.astype(np.float64)[:, :, None]).astype(np.float16)
+
+
+def dequantize_fp16(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Rows [N, K / 256 * block bytes] (uint8) of a format -> the fp16 weights [N, K] the kernel makes."""
+    b = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[fmt])
+    return {"q4_k": _q4_k, "q6_k": _q6_k}[fmt](b).reshape(raw.shape[0], -1)
+
+
+def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     """Y [M, N] in float64 from the kernel's fp16 operands: X rounded to fp16, the fp16 weights."""
     x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
-    return x16 @ dequantize_fp16(raw).astype(np.float64).T
+    return x16 @ dequantize_fp16(raw, fmt).astype(np.float64).T
 
 
-def shape_problem(n: int, k: int) -> str | None:
+def shape_problem(fmt: str, n: int, k: int) -> str | None:
+    if fmt not in TENSOR_CORE_FORMATS:
+        return f"the tensor-core GEMM takes {', '.join(TENSOR_CORE_FORMATS)}, not {fmt}"
     if k % BLOCK_VALUES or n % ROWS:
-        return f"the tensor-core Q4_K GEMM takes K a multiple of {BLOCK_VALUES} and N of {ROWS}; got {n} x {k}"
+        return f"the tensor-core GEMM takes K a multiple of {BLOCK_VALUES} and N of {ROWS}; got {n} x {k}"
     return None
 
 
 def units(spec: ChipSpec) -> list[KernelUnit]:
-    """One unit per chip (the shapes are launch arguments)."""
-    variants = [{"name": name, "mt": mt, "half": half, "rows": rows} for name, mt, half, rows in VARIANTS]
-    sigs = tuple(KernelSig(name, WARPS * 32) for name, *_ in VARIANTS)
+    """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion."""
+    variants = [{"name": kernel_name(f, rows), "fmt": f.upper(), "cls": CLASSES[f], "mt": mt, "half": half,
+                 "rows": rows} for f in TENSOR_CORE_FORMATS for rows, mt, half in VARIANTS]
+    sigs = tuple(KernelSig(v["name"], WARPS * 32) for v in variants)
     return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants},
                        (*sigs, KernelSig("qgemm_tc_x16", 256)))]
 
 
 class QGemmTC:
-    """y [m, n] fp32 = x [m, k] fp32 . w^T for Q4_K rows w: x rounded to fp16 into a buffer of its own, then the
+    """y [m, n] fp32 = x [m, k] fp32 . w^T for rows w of a format: x rounded to fp16 into a buffer of its own, then the
     product, at most MAX_ROWS_A_LAUNCH rows a launch. Called as qgemv.QMatmul is (the layered step's projections
     take either): it makes no XBlocks (xq), and ignores any it is given."""
 
     xq = None
 
-    def __init__(self, module, spec: ChipSpec, max_rows: int, k: int):
-        self.spec, self.k = spec, k
-        self.gemm = [(rows, module.kernel(name)) for name, _, _, rows in VARIANTS]
+    def __init__(self, module, spec: ChipSpec, fmt: str, max_rows: int, k: int):
+        self.spec, self.fmt, self.k = spec, fmt, k
+        self.gemm = [(rows, module.kernel(kernel_name(fmt, rows))) for rows, _, _ in VARIANTS]
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((max_rows, k), np.float16)
 
@@ -88,7 +108,7 @@ class QGemmTC:
 
     def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None) -> None:
         """The product alone, from the fp16 rows the last call left (benchmarks time this)."""
-        if problem := shape_problem(n, self.k):
+        if problem := shape_problem(self.fmt, n, self.k):
             raise ValueError(problem)
         k = self.k
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):

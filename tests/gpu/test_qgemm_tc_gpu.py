@@ -1,4 +1,4 @@
-"""The tensor-core Q4_K GEMM (lucegen/kernels/qgemm_tc.py) on the GPU: against its numpy reference on fresh inputs,
+"""The tensor-core GEMM (lucegen/kernels/qgemm_tc.py, Q4_K and Q6_K) on the GPU: against its numpy reference on fresh inputs,
 and batch-invariant: a token's outputs are the same bits whatever M and its row in the launch.
 
 Tolerance 1e-4 (relative, ||out - ref|| / ||ref||): the reference takes the kernel's fp16 operands exactly and sums
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from lucegen.codegen.build import build
 from lucegen.kernels import qgemm_tc, qgemv
 from lucegen.model.config import tiny_config
-from lucegen.model.quants import GGMLType, quantize
+from lucegen.model.quants import ggml_type, quantize
 from lucegen.reference import relative_error
 from lucegen.runtime import DeviceArray, synchronize
-from lucegen.spec import spec_for_current_device
+from lucegen.spec import TENSOR_CORE_FORMATS, spec_for_current_device
 
 pytestmark = pytest.mark.gpu
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -32,15 +32,15 @@ def module():
     return build(spec, tiny_config(), qgemm_tc.units(spec)).module(qgemm_tc.UNIT), spec
 
 
-def weights(n: int, k: int, seed: int) -> np.ndarray:
+def weights(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
-    return quantize(w, GGMLType.Q4_K).reshape(n, -1)
+    return quantize(w, ggml_type(fmt)).reshape(n, -1)
 
 
-def run(raw: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
+def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
     mod, spec = module()
     n, m = raw.shape[0], x.shape[0]
-    op = qgemm_tc.QGemmTC(mod, spec, MAX_ROWS, k)
+    op = qgemm_tc.QGemmTC(mod, spec, fmt, MAX_ROWS, k)
     w, dx = qgemv.device_weights(raw), DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
     y = DeviceArray.empty((m, n), np.float32)
     y.fill_bytes(0xFF)  # poison: an unwritten output shows as NaN
@@ -52,30 +52,32 @@ def run(raw: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
 @SETTINGS
 @given(m=st.one_of(st.sampled_from([1, 2, 8, 9, 16, 17, 32, 33, 48, 49, 100]), st.integers(1, MAX_ROWS)),
        n8=st.integers(1, 40), kb=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
-def test_matches_numpy(m, n8, kb, seed):
+def test_matches_numpy(fmt, m, n8, kb, seed):
     n, k = 8 * n8, 256 * kb
-    raw = weights(n, k, seed)
+    raw = weights(fmt, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32)
-    out = run(raw, x, k)
+    out = run(fmt, raw, x, k)
     assert np.isfinite(out).all(), "unwritten outputs"
-    assert relative_error(out, qgemm_tc.reference(raw, x)) < 1e-4
+    assert relative_error(out, qgemm_tc.reference(raw, fmt, x)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
 @pytest.mark.parametrize("n, k", [(64, 1024), (5120, 5120)])
-def test_a_token_gives_the_same_bits_whatever_m_and_its_row(n, k):
+def test_a_token_gives_the_same_bits_whatever_m_and_its_row(fmt, n, k):
     """Each of 48 tokens alone (M = 1, the decode GEMV), all 48 in one launch in two row orders, and in launches of
     17 and 31 rows (other tile counts): the same bits for every token."""
-    raw = weights(n, k, 3)
+    raw = weights(fmt, n, k, 3)
     x = np.random.default_rng(4).standard_normal((48, k), dtype=np.float32)
-    together = run(raw, x, k)
+    together = run(fmt, raw, x, k)
     order = np.random.default_rng(5).permutation(48)
-    shuffled = run(raw, x[order], k)
-    split = np.concatenate([run(raw, x[:17], k), run(raw, x[17:], k)])
+    shuffled = run(fmt, raw, x[order], k)
+    split = np.concatenate([run(fmt, raw, x[:17], k), run(fmt, raw, x[17:], k)])
     for t in range(48):
-        alone = run(raw, x[t:t + 1], k)[0]
+        alone = run(fmt, raw, x[t:t + 1], k)[0]
         assert np.array_equal(alone, together[t]), f"token {t}: M = 1 and M = 48 differ"
         assert np.array_equal(shuffled[np.flatnonzero(order == t)[0]], together[t]), f"token {t}: row order"
         assert np.array_equal(split[t], together[t]), f"token {t}: launches of 17 and 31 rows"
