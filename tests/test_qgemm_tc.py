@@ -44,8 +44,14 @@ def test_reference_is_close_to_the_exact_product(fmt):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
+@pytest.mark.parametrize("m, rows", [(1, 8), (8, 8), (9, 16), (17, 32), (33, 48), (48, 48), (49, 56), (100, 104)])
+def test_padded_rows_cover_every_launch(m, rows):
+    """Launches of 48 rows, then the last one's kernel (8, 16, 32 or 48 tokens): X holds that many rows."""
+    assert qgemm_tc.padded_rows(m) == rows
+
+
 def test_shape_problem_names_the_shape_and_the_format():
-    assert "100 x 512" in qgemm_tc.shape_problem("q4_k", 100, 512)
+    assert "104 x 512" in qgemm_tc.shape_problem("q4_k", 104, 512)
     assert "not q8_0" in qgemm_tc.shape_problem("q8_0", 5120, 5120)
     assert qgemm_tc.shape_problem("q6_k", 5120, 17408) is None
 
@@ -53,7 +59,7 @@ def test_shape_problem_names_the_shape_and_the_format():
 @pytest.mark.parametrize("spec_name", list_specs())
 def test_kernels_compile_without_spills(tmp_path, spec_name):
     result = build(load_spec(spec_name), tiny_config(), qgemm_tc.units(load_spec(spec_name)), root=tmp_path)
-    names = {qgemm_tc.kernel_name(f, rows) for f in TENSOR_CORE_FORMATS for rows, _, _ in qgemm_tc.VARIANTS}
+    names = {qgemm_tc.kernel_name(f, rows) for f in TENSOR_CORE_FORMATS for rows in qgemm_tc.VARIANTS}
     assert {k.name for k in result.kernels} == names | {"qgemm_tc_x16"}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"

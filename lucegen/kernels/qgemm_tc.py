@@ -23,17 +23,27 @@ BLOCK_VALUES = 256
 BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
 CLASSES = {"q4_k": "TcQ4K", "q6_k": "TcQ6K"}
 WARPS = 4     # warps a block, each a share of K's super-blocks
-# (rows suffix, 16-token tiles, tile rows 8 .. 15 zeros, the most rows): 8 (the decode GEMV and small verifies), 16,
-# 32, 48; a launch takes the first that holds its rows (more than 48: more launches). Every kernel does the same
-# arithmetic per token.
-VARIANTS = ((8, 1, True), (16, 1, False), (32, 2, False), (48, 3, False))
-MAX_ROWS_A_LAUNCH = VARIANTS[-1][0]
-ROWS = 8      # output rows a block (one mma n-tile)
+# tokens a kernel takes (8 a tile of the mma's B): a launch takes the first that holds its rows (more than 48: more
+# launches, 48 each); X is padded with zero rows to the kernel's count. Every kernel does the same arithmetic per token.
+VARIANTS = (8, 16, 32, 48)
+MAX_ROWS_A_LAUNCH = VARIANTS[-1]
+ROWS = 16     # output rows a block (the mma's A tile)
 UNIT = "qgemm_tc"
 
 
 def kernel_name(fmt: str, rows: int) -> str:
     return f"qgemm_tc_{fmt}_m{rows}"
+
+
+def variant(rows: int) -> int:
+    """The tokens of the kernel a launch of `rows` (<= MAX_ROWS_A_LAUNCH) rows takes."""
+    return next(v for v in VARIANTS if rows <= v)
+
+
+def padded_rows(m: int) -> int:
+    """Rows of X the launches for m rows read: whole launches of MAX_ROWS_A_LAUNCH, then the last one's kernel."""
+    last = (m - 1) // MAX_ROWS_A_LAUNCH * MAX_ROWS_A_LAUNCH
+    return last + variant(m - last)
 
 
 def _q4_k(b: np.ndarray) -> np.ndarray:
@@ -78,8 +88,8 @@ def shape_problem(fmt: str, n: int, k: int) -> str | None:
 
 def units(spec: ChipSpec) -> list[KernelUnit]:
     """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion."""
-    variants = [{"name": kernel_name(f, rows), "fmt": f.upper(), "cls": CLASSES[f], "mt": mt, "half": half,
-                 "rows": rows} for f in TENSOR_CORE_FORMATS for rows, mt, half in VARIANTS]
+    variants = [{"name": kernel_name(f, rows), "fmt": f.upper(), "cls": CLASSES[f], "rows": rows}
+                for f in TENSOR_CORE_FORMATS for rows in VARIANTS]
     sigs = tuple(KernelSig(v["name"], WARPS * 32) for v in variants)
     return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants},
                        (*sigs, KernelSig("qgemm_tc_x16", 256)))]
@@ -93,17 +103,18 @@ class QGemmTC:
     xq = None
 
     def __init__(self, module, spec: ChipSpec, fmt: str, max_rows: int, k: int):
-        self.spec, self.fmt, self.k = spec, fmt, k
-        self.gemm = [(rows, module.kernel(kernel_name(fmt, rows))) for rows, _, _ in VARIANTS]
+        self.spec, self.fmt, self.k, self.max_rows = spec, fmt, k, max_rows
+        self.gemm = {rows: module.kernel(kernel_name(fmt, rows)) for rows in VARIANTS}
         self.to_half = module.kernel("qgemm_tc_x16")
-        self.x16 = DeviceArray.empty((max_rows, k), np.float16)
+        self.x16 = DeviceArray.empty((padded_rows(max_rows), k), np.float16)
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
                  xq=None) -> None:
-        if m > self.x16.shape[0]:
-            raise ValueError(f"{m} rows exceed the {self.x16.shape[0]} this GEMM was made for")
-        k = self.k
-        self.to_half(min(4 * self.spec.chip.sm_count, -(-m * k // 256)), 256, x, self.x16, m * k, stream=stream)
+        if m > self.max_rows:
+            raise ValueError(f"{m} rows exceed the {self.max_rows} this GEMM was made for")
+        k, padded = self.k, padded_rows(m) * self.k  # X to fp16, zeros to the end of the last launch's tokens
+        self.to_half(min(4 * self.spec.chip.sm_count, -(-padded // 256)), 256, x, self.x16, m * k, padded,
+                     stream=stream)
         self.product(w, y, n, m, stream)
 
     def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None) -> None:
@@ -113,9 +124,9 @@ class QGemmTC:
         k = self.k
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):
             rows = min(MAX_ROWS_A_LAUNCH, m - m0)
-            kernel = next(k for most, k in self.gemm if rows <= most)
-            kernel(n // ROWS, WARPS * 32, w, self.x16.view((rows, k), offset_bytes=2 * m0 * k),
-                      y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
+            tokens = variant(rows)  # the kernel reads this many rows of X: zeros past m (__call__)
+            self.gemm[tokens](n // ROWS, WARPS * 32, w, self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
+                              y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
 
     def free(self) -> None:
         self.x16.free()
