@@ -170,12 +170,16 @@ struct TcQ6K {
                     for (int r = 0; r < 2; ++r) {
                         const int s8 = static_cast<signed char>((sc[r][grp / 4] >> (8 * (grp % 4))) & 0xFFu);
                         const __half2 scale = __half2half2(__float2half_rn(__fmul_rn(d[r], float(s8))));
-                        const unsigned wl = ql[r][run % 2][i] >> (4 * (run / 2)), wh = qh[r][i] >> (2 * run);
+                        // the 4 values q as bytes: ql's nibble, qh's two bits above it (shifted from bits 2 run)
+                        const unsigned hi = (run < 2 ? qh[r][i] << (4 - 2 * run) : qh[r][i] >> (2 * run - 4)) &
+                                            0x30303030u;
+                        unsigned q;
+                        asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (ql & 0x0F0F0F0F) | hi
+                            : "=r"(q) : "r"(ql[r][run % 2][i] >> (4 * (run / 2))), "r"(0x0F0F0F0Fu), "r"(hi));
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const unsigned q = ((wl >> (8 * e)) & 0x000F000Fu) |
-                                               (((wh >> (8 * e)) & 0x00030003u) << 4) | 0x64006400u;
-                            const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&q), offset), scale);
+                        for (int e = 0; e < 2; ++e) {  // bytes e and e + 2 under the fp16 exponent of 1024
+                            const unsigned h = __byte_perm(q, 0x64646464u, e ? 0x4341 : 0x4240);
+                            const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
                             a[2 * e + r] = *reinterpret_cast<const unsigned*>(&v);
                         }
                     }
