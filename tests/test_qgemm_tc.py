@@ -63,3 +63,120 @@ def test_kernels_compile_without_spills(tmp_path, spec_name):
     assert {k.name for k in result.kernels} == names | {"qgemm_tc_x16"}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
+
+
+# ---- a numpy model of the kernel's lanes ------------------------------------------------------------------------
+# What each lane of templates/qgemm_tc.cuh holds, register by register, placed in the mma's A and B by the PTX
+# fragment layouts (mma.cuh's top comment), multiplied tile by tile and added in warp order: the kernel's index logic
+# (rows, slots, nibbles, bits, scales, X's slot order, the output's places) without a GPU.
+
+def _f16(v) -> np.ndarray:
+    return np.asarray(v, np.float64).astype(np.float16)
+
+
+def _x_slots(x16: np.ndarray) -> np.ndarray:
+    """qgemm_tc_x16's order: within each 4 values, positions 1 and 2 swapped."""
+    out = x16.copy()
+    out[:, 1::4], out[:, 2::4] = x16[:, 2::4], x16[:, 1::4]
+    return out
+
+
+def _words(b: np.ndarray, off: int) -> int:
+    return int.from_bytes(b[off:off + 4].tobytes(), "little")
+
+
+def _q4k_lane(blk: np.ndarray, t: int):
+    """A lane's A words of one Q4_K super-block of one row, mma by mma: (k offset in the super-block, (slots 2t, 2t+1
+    values, slots 2t+8, 2t+9 values)) as TcQ4K::superblock makes them."""
+    from lucegen.model.quants import _half, _scale_min_k4
+    d, dmin = _half(blk[None, 0:2])[0], _half(blk[None, 2:4])[0]
+    sc, m = _scale_min_k4(blk[None, 4:16])
+    out = []
+    for c in range(4):
+        for hf in range(2):
+            sb = 2 * c + hf
+            scale, bias = _f16(np.float32(d) * sc[0, sb]), _f16(-(np.float32(dmin) * m[0, sb]))
+            for half in range(2):  # qs word .x (values 8t..8t+3), .y (8t+4..)
+                w = _words(blk, 16 + 32 * c + 8 * t + 4 * half)
+                def pair(shift):
+                    q = [(w >> shift) & 0xF, (w >> (shift + 16)) & 0xF]
+                    return _f16(np.array(q, np.float64) * np.float64(scale) + np.float64(bias))
+                lo, hi = pair(4 * hf), pair(8 + 4 * hf)
+                out.append((32 * sb + 8 * t + 4 * half, lo, hi))
+    return out
+
+
+def _q6k_lane(blk: np.ndarray, t: int):
+    """The same for Q6_K (TcQ6K::superblock)."""
+    from lucegen.model.quants import _half
+    d = _half(blk[None, 208:210])[0]
+    sc = blk[192:208].view(np.int8)
+    out = []
+    for hh in range(2):
+        for run in range(4):
+            for i in range(2):
+                grp = 8 * hh + 2 * run + i
+                scale = _f16(np.float32(d) * np.float32(sc[grp]))
+                ql = _words(blk, 64 * hh + 32 * (run % 2) + 16 * i + 4 * t) >> (4 * (run // 2))
+                qh = _words(blk, 128 + 32 * hh + 16 * i + 4 * t)
+                qh = (qh << (4 - 2 * run) if run < 2 else qh >> (2 * run - 4)) & 0x30303030
+                q = (ql & 0x0F0F0F0F) | qh
+                byte = [(q >> (8 * e)) & 0xFF for e in range(4)]
+                val = lambda e: _f16((np.array([byte[e], byte[e + 2]], np.float64) - 32) * np.float64(scale))
+                out.append((128 * hh + 32 * run + 16 * i + 4 * t, val(0), val(1)))
+    return out
+
+
+def lanes_model(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+    """Y [M, N] as the kernel computes it, in float64 per mma (the tensor core's own sum order aside)."""
+    n, m = raw.shape[0], x.shape[0]
+    k = x.shape[1]
+    blocks, bb = k // 256, qgemm_tc.BLOCK_BYTES[fmt]
+    tokens = qgemm_tc.variant(m)
+    xs = np.zeros((tokens, k), np.float16)
+    xs[:m] = x.astype(np.float16)
+    xs = _x_slots(xs)
+    lane_fn = _q4k_lane if fmt == "q4_k" else _q6k_lane
+    y = np.zeros((m, n))
+    for n0 in range(0, n, qgemm_tc.ROWS):
+        parts = []
+        for w in range(qgemm_tc.WARPS):
+            acc = np.zeros((16, tokens))  # D: 16 weight rows x the tokens
+            for s in range(w * blocks // qgemm_tc.WARPS, (w + 1) * blocks // qgemm_tc.WARPS):
+                per_lane = {}
+                for g in range(8):
+                    for t in range(4):
+                        for r in range(2):  # the lane's rows g and g + 8
+                            row = raw[n0 + g + 8 * r].reshape(blocks, bb)[s]
+                            per_lane[g, t, r] = lane_fn(row, t)
+                for j in range(len(per_lane[0, 0, 0])):  # the j-th mma of the super-block, the same in every lane
+                    a = np.zeros((16, 16))
+                    bmat = np.zeros((16, tokens))
+                    for g in range(8):
+                        for t in range(4):
+                            for r in range(2):
+                                k0, lo, hi = per_lane[g, t, r][j]
+                                a[g + 8 * r, 2 * t:2 * t + 2] = lo
+                                a[g + 8 * r, 2 * t + 8:2 * t + 10] = hi
+                            for tile in range(tokens // 8):  # B: the lane's token g of each tile, a uint2 at k0
+                                v = xs[8 * tile + g, 256 * s + k0:256 * s + k0 + 4].astype(np.float64)
+                                bmat[2 * t:2 * t + 2, 8 * tile + g] = v[0:2]
+                                bmat[2 * t + 8:2 * t + 10, 8 * tile + g] = v[2:4]
+                    acc += a @ bmat
+            parts.append(acc)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        y[:, n0:n0 + 16] = total[:, :m].T
+    return y
+
+
+@pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_the_lanes_model_is_the_product(fmt, m):
+    """The lanes' registers, placed by the fragment layouts, multiply to the reference's product: every weight
+    and activation lands in the slot the other operand expects."""
+    raw = rows(fmt, 32, 512, m)
+    x = np.random.default_rng(m).standard_normal((m, 512), dtype=np.float32)
+    got, want = lanes_model(raw, fmt, x), qgemm_tc.reference(raw, fmt, x)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12
