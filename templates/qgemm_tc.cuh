@@ -39,18 +39,41 @@ struct XCols {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) row[nt] = X + (size_t)(8 * nt + g) * K;
     }
+    // the lane's B fragment of each token tile at k0: its token's 4 activations (a uint2 of the permuted fp16 X)
+    __device__ __forceinline__ void load(size_t k0, unsigned (&b)[NT][2]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(row[nt] + k0));
+            b[nt][0] = v.x, b[nt][1] = v.y;
+        }
+    }
 };
 
-// One mma per 8-token tile of acc: A = the lane's weights (rows g, g + 8; slots 2t, 2t+1 | 2t+8, 2t+9), B = its
-// token's 4 activations at k0 (a uint2 of the permuted fp16 X).
-template <int NT>
-__device__ __forceinline__ void qgemm_tc_mma(float (&acc)[NT][4], const unsigned (&a)[4], const XCols<NT>& x, size_t k0) {
+// A weight load: read once, so (WEIGHTS_L1 0) it does not allocate in L1, which the activations, read by every
+// row tile, keep.
+template <class T>
+__device__ __forceinline__ T load_weights(const unsigned char* p) {
+#if WEIGHTS_L1
+    return __ldg(reinterpret_cast<const T*>(p));
+#else
+    T v;
+    if constexpr (sizeof(T) == 16)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#endif
+}
+
+// Tile i's A (rows g, g + 8 of its 16) times each token tile's B: every B fragment serves all TILES row tiles.
+template <int TILES, int NT>
+__device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const unsigned (&a)[TILES][4],
+                                             const unsigned (&b)[NT][2]) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(x.row[nt] + k0));
-        const unsigned b[2] = {v.x, v.y};
-        mma_f16(acc[nt], a, b);
-    }
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_f16(acc[i][nt], a[i], b[nt]);
 }
 
 // ---- Q4_K: [0:2] d | [2:4] dmin | [4:16] scales[12] | [16:144] qs[128] -------------------------------------------
@@ -82,44 +105,47 @@ struct TcQ4K {
         return *reinterpret_cast<const unsigned*>(&r);
     }
 
-    // super-block s of the lane's rows: blk[0] (row g) and blk[1] (row g + 8)
-    template <int NT>
-    __device__ static void superblock(const unsigned char* const (&blk)[2], size_t k_base, const XCols<NT>& x,
-                                      float (&acc)[NT][4]) {
+    // a super-block of the lane's rows in each row tile: blk[i][0] (row g of tile i) and blk[i][1] (row g + 8)
+    template <int TILES, int NT>
+    __device__ static void superblock(const unsigned char* const (&blk)[TILES][2], size_t k_base, const XCols<NT>& x,
+                                      float (&acc)[TILES][NT][4]) {
         const int lane = threadIdx.x % 32, t = lane % 4;
-        uint4 h[2];
-        uint2 qs[2][4];
-        unsigned own[2][2];  // [row][sub-block 2t, 2t + 1]
+        uint2 qs[TILES][2][4];
+        unsigned own[TILES][2][2];  // [tile][row][sub-block 2t, 2t + 1]
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            h[r] = __ldg(reinterpret_cast<const uint4*>(blk[r]));
+        for (int i = 0; i < TILES; ++i)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) qs[r][c] = __ldg(reinterpret_cast<const uint2*>(blk[r] + 16 + 32 * c + 8 * t));
-        }
+            for (int r = 0; r < 2; ++r) {
+                const uint4 h = load_weights<uint4>(blk[i][r]);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) own[r][0] = scale_bias(2 * t, h[r]), own[r][1] = scale_bias(2 * t + 1, h[r]);
+                for (int c = 0; c < 4; ++c) qs[i][r][c] = load_weights<uint2>(blk[i][r] + 16 + 32 * c + 8 * t);
+                own[i][r][0] = scale_bias(2 * t, h), own[i][r][1] = scale_bias(2 * t + 1, h);
+            }
 #pragma unroll
         for (int c = 0; c < 4; ++c)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {  // sub-block 2c + hf: the low (hf 0) or high nibbles
-                unsigned sb[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) sb[r] = __shfl_sync(0xFFFFFFFFu, own[r][hf], (lane & ~3) | c);
-                unsigned a0[4], a1[4];  // values 8t .. 8t+3, then 8t+4 .. 8t+7: rows g, g+8 of slots 2t.., 2t+8..
-                if (hf == 0) {
-                    a0[0] = pair<0>(qs[0][c].x, sb[0]), a0[1] = pair<0>(qs[1][c].x, sb[1]);
-                    a0[2] = pair<8>(qs[0][c].x, sb[0]), a0[3] = pair<8>(qs[1][c].x, sb[1]);
-                    a1[0] = pair<0>(qs[0][c].y, sb[0]), a1[1] = pair<0>(qs[1][c].y, sb[1]);
-                    a1[2] = pair<8>(qs[0][c].y, sb[0]), a1[3] = pair<8>(qs[1][c].y, sb[1]);
-                } else {
-                    a0[0] = pair<4>(qs[0][c].x, sb[0]), a0[1] = pair<4>(qs[1][c].x, sb[1]);
-                    a0[2] = pair<12>(qs[0][c].x, sb[0]), a0[3] = pair<12>(qs[1][c].x, sb[1]);
-                    a1[0] = pair<4>(qs[0][c].y, sb[0]), a1[1] = pair<4>(qs[1][c].y, sb[1]);
-                    a1[2] = pair<12>(qs[0][c].y, sb[0]), a1[3] = pair<12>(qs[1][c].y, sb[1]);
-                }
                 const size_t k0 = k_base + 32 * (2 * c + hf) + 8 * t;
-                qgemm_tc_mma<NT>(acc, a0, x, k0);
-                qgemm_tc_mma<NT>(acc, a1, x, k0 + 4);
+                unsigned b0[NT][2], b1[NT][2];
+                x.load(k0, b0);
+                x.load(k0 + 4, b1);
+                unsigned a0[TILES][4], a1[TILES][4];  // values 8t .. 8t+3, then 8t+4 .. 8t+7: rows g, g+8 of slots
+#pragma unroll                                        // 2t.., 2t+8..
+                for (int i = 0; i < TILES; ++i) {
+                    unsigned sb[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) sb[r] = __shfl_sync(0xFFFFFFFFu, own[i][r][hf], (lane & ~3) | c);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const uint2 q = qs[i][r][c];
+                        a0[i][r] = hf ? pair<4>(q.x, sb[r]) : pair<0>(q.x, sb[r]);
+                        a0[i][2 + r] = hf ? pair<12>(q.x, sb[r]) : pair<8>(q.x, sb[r]);
+                        a1[i][r] = hf ? pair<4>(q.y, sb[r]) : pair<0>(q.y, sb[r]);
+                        a1[i][2 + r] = hf ? pair<12>(q.y, sb[r]) : pair<8>(q.y, sb[r]);
+                    }
+                }
+                qgemm_tc_mma(acc, a0, b0);
+                qgemm_tc_mma(acc, a1, b1);
             }
     }
 };
@@ -132,93 +158,114 @@ struct TcQ4K {
 struct TcQ6K {
     static constexpr int BLOCK_BYTES = 210;
 
-    template <int NT>
-    __device__ static void superblock(const unsigned char* const (&blk)[2], size_t k_base, const XCols<NT>& x,
-                                      float (&acc)[NT][4]) {
+    template <int TILES, int NT>
+    __device__ static void superblock(const unsigned char* const (&blk)[TILES][2], size_t k_base, const XCols<NT>& x,
+                                      float (&acc)[TILES][NT][4]) {
         const int t = threadIdx.x % 4;
         const __half2 offset = __half2half2(__ushort_as_half(0x6420));  // 1024 + 32
-        float d[2];
-        unsigned sc[2][4];
+        float d[TILES][2];
+        unsigned sc[TILES][2][4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            d[r] = __half2float(__ldg(reinterpret_cast<const __half*>(blk[r] + 208)));
-            load_words_a2<4>(blk[r] + 192, sc[r]);
-        }
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                d[tile][r] = __half2float(__ldg(reinterpret_cast<const __half*>(blk[tile][r] + 208)));
+                load_words_a2<4>(blk[tile][r] + 192, sc[tile][r]);
+            }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            unsigned ql[2][2][2], qh[2][2];  // [row][run % 2][l >= 16], [row][l >= 16]
+            unsigned ql[TILES][2][2][2], qh[TILES][2][2];  // [tile][row][run % 2][l >= 16], [tile][row][l >= 16]
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+            for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    unsigned w[1];
-                    load_words_a2<1>(blk[r] + 128 + 32 * hh + 16 * i + 4 * t, w);
-                    qh[r][i] = w[0];
+                for (int r = 0; r < 2; ++r)
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        load_words_a2<1>(blk[r] + 64 * hh + 32 * j + 16 * i + 4 * t, w);
-                        ql[r][j][i] = w[0];
+                    for (int i = 0; i < 2; ++i) {
+                        unsigned w[1];
+                        load_words_a2<1>(blk[tile][r] + 128 + 32 * hh + 16 * i + 4 * t, w);
+                        qh[tile][r][i] = w[0];
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) {
+                            load_words_a2<1>(blk[tile][r] + 64 * hh + 32 * j + 16 * i + 4 * t, w);
+                            ql[tile][r][j][i] = w[0];
+                        }
                     }
-                }
 #pragma unroll
             for (int run = 0; run < 4; ++run)
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const int grp = 8 * hh + 2 * run + i;
-                    unsigned a[4];  // rows g, g+8 of slots 2t, 2t+1 (bytes 0 and 2), then 2t+8, 2t+9 (bytes 1 and 3)
+                    unsigned b[NT][2];
+                    x.load(k_base + 128 * hh + 32 * run + 16 * i + 4 * t, b);
+                    unsigned a[TILES][4];  // rows g, g+8 of slots 2t, 2t+1 (bytes 0 and 2), then 2t+8, 2t+9 (1 and 3)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int s8 = static_cast<signed char>((sc[r][grp / 4] >> (8 * (grp % 4))) & 0xFFu);
-                        const __half2 scale = __half2half2(__float2half_rn(__fmul_rn(d[r], float(s8))));
-                        // the 4 values q as bytes: ql's nibble, qh's two bits above it (shifted from bits 2 run)
-                        const unsigned hi = (run < 2 ? qh[r][i] << (4 - 2 * run) : qh[r][i] >> (2 * run - 4)) &
-                                            0x30303030u;
-                        unsigned q;
-                        asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (ql & 0x0F0F0F0F) | hi
-                            : "=r"(q) : "r"(ql[r][run % 2][i] >> (4 * (run / 2))), "r"(0x0F0F0F0Fu), "r"(hi));
+                    for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {  // bytes e and e + 2 under the fp16 exponent of 1024
-                            const unsigned h = __byte_perm(q, 0x64646464u, e ? 0x4341 : 0x4240);
-                            const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
-                            a[2 * e + r] = *reinterpret_cast<const unsigned*>(&v);
+                        for (int r = 0; r < 2; ++r) {
+                            const int s8 = static_cast<signed char>((sc[tile][r][grp / 4] >> (8 * (grp % 4))) & 0xFFu);
+                            const __half2 scale = __half2half2(__float2half_rn(__fmul_rn(d[tile][r], float(s8))));
+                            // the 4 values q as bytes: ql's nibble, qh's two bits above it (shifted from bits 2 run)
+                            const unsigned qhi = qh[tile][r][i];
+                            const unsigned hi = (run < 2 ? qhi << (4 - 2 * run) : qhi >> (2 * run - 4)) & 0x30303030u;
+                            unsigned q;
+                            asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (ql & 0x0F0F0F0F) | hi
+                                : "=r"(q) : "r"(ql[tile][r][run % 2][i] >> (4 * (run / 2))), "r"(0x0F0F0F0Fu), "r"(hi));
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {  // bytes e and e + 2 under the fp16 exponent of 1024
+                                const unsigned h = __byte_perm(q, 0x64646464u, e ? 0x4341 : 0x4240);
+                                const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
+                                a[tile][2 * e + r] = *reinterpret_cast<const unsigned*>(&v);
+                            }
                         }
-                    }
-                    qgemm_tc_mma<NT>(acc, a, x, k_base + 128 * hh + 32 * run + 16 * i + 4 * t);
+                    qgemm_tc_mma(acc, a, b);
                 }
         }
     }
 };
 
-// A launch: N / 16 blocks of WARPS * 32 threads; rows 0 .. 8 NT - 1 of X (zeros past M) and 0 .. M - 1 of Y.
-template <class F, int NT, int WARPS>
+// A launch: ceil(N / (16 TILES)) blocks of WARPS * 32 threads, each TILES row tiles of 16 (a last block's tiles past
+// N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M) and 0 .. M - 1 of Y. Warp w takes a
+// contiguous share of K's super-blocks; the warps' sums are added in warp order, whatever TILES and NT, so a token's
+// outputs are the same bits in every variant.
+template <class F, int NT, int TILES, int WARPS>
 __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X, float* __restrict__ Y,
                          int M, int N, int K) {
-    __shared__ float partial[WARPS][NT][32][4];
+    __shared__ float partial[WARPS][TILES][NT][32][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-    const int n0 = blockIdx.x * 16, blocks = K / 256;
+    const int n0 = blockIdx.x * 16 * TILES, blocks = K / 256;
     const int s0 = warp * blocks / WARPS, s1 = (warp + 1) * blocks / WARPS;
     const size_t row_bytes = (size_t)blocks * F::BLOCK_BYTES;
-    const unsigned char* rows[2] = {W + (n0 + g) * row_bytes, W + (n0 + g + 8) * row_bytes};
+    const unsigned char* rows[TILES][2];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) rows[i][r] = W + min(n0 + 16 * i + 8 * r + g, N - 1) * row_bytes;
     const XCols<NT> x(X, K);
-    float acc[NT][4] = {};
+    float acc[TILES][NT][4] = {};
 #pragma unroll 1
     for (int s = s0; s < s1; ++s) {
-        const unsigned char* const blk[2] = {rows[0] + (size_t)s * F::BLOCK_BYTES, rows[1] + (size_t)s * F::BLOCK_BYTES};
-        F::template superblock<NT>(blk, (size_t)s * 256, x, acc);
+        const unsigned char* blk[TILES][2];
+#pragma unroll
+        for (int i = 0; i < TILES; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) blk[i][r] = rows[i][r] + (size_t)s * F::BLOCK_BYTES;
+        F::template superblock<TILES, NT>(blk, (size_t)s * 256, x, acc);
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int i = 0; i < TILES; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) partial[warp][nt][lane][e] = acc[nt][e];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = acc[i][nt][e];
     __syncthreads();
-    for (int i = threadIdx.x; i < NT * 32 * 4; i += WARPS * 32) {  // the warps' partials added in warp order
-        const int nt = i / 128, ln = i / 4 % 32, e = i % 4;
-        float sum = partial[0][nt][ln][e];
+    for (int j = threadIdx.x; j < TILES * NT * 32 * 4; j += WARPS * 32) {  // the warps' partials added in warp order
+        const int i = j / (NT * 128), nt = j / 128 % NT, ln = j / 4 % 32, e = j % 4;
+        float sum = partial[0][i][nt][ln][e];
 #pragma unroll
-        for (int w = 1; w < WARPS; ++w) sum += partial[w][nt][ln][e];
+        for (int w = 1; w < WARPS; ++w) sum += partial[w][i][nt][ln][e];
         // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8
-        const int token = 8 * nt + 2 * (ln % 4) + e % 2, n = n0 + ln / 4 + 8 * (e / 2);
-        if (token < M) Y[(size_t)token * N + n] = sum;
+        const int token = 8 * nt + 2 * (ln % 4) + e % 2, n = n0 + 16 * i + ln / 4 + 8 * (e / 2);
+        if (token < M && n < N) Y[(size_t)token * N + n] = sum;
     }
 }
 

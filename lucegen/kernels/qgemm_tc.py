@@ -8,7 +8,7 @@ same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asser
 needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
 tensor core's, so the numpy reference is within a tolerance, not bit for bit.
 
-Status: session 9's first draft (docs/design.md, "Session 9"), not yet run on a GPU.
+Status: correct and batch-invariant on the H200 (session 10); row tiles a block not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -27,12 +27,26 @@ WARPS = 4     # warps a block, each a share of K's super-blocks
 # launches, 48 each); X is padded with zero rows to the kernel's count. Every kernel does the same arithmetic per token.
 VARIANTS = (8, 16, 32, 48)
 MAX_ROWS_A_LAUNCH = VARIANTS[-1]
-ROWS = 16     # output rows a block (the mma's A tile)
+ROWS = 16     # output rows of the mma's A tile
+# row tiles a block (each activation fragment a warp loads serves that many): fewer blocks read X fewer times, but
+# fewer blocks spread less evenly over the SMs (tiles_for chooses per launch)
+TILES = (1, 2, 4)
+MOST_TILES = {"q4_k": {8: 4, 16: 4, 32: 2, 48: 2}, "q6_k": {8: 2, 16: 2, 32: 2, 48: 2}}  # past these, ptxas spills
 UNIT = "qgemm_tc"
 
 
-def kernel_name(fmt: str, rows: int) -> str:
-    return f"qgemm_tc_{fmt}_m{rows}"
+def kernel_name(fmt: str, rows: int, tiles: int) -> str:
+    return f"qgemm_tc_{fmt}_m{rows}_t{tiles}"
+
+
+def tiles_of(fmt: str, rows: int) -> tuple[int, ...]:
+    """The row tiles a block of the kernels for `rows` tokens come in."""
+    return tuple(t for t in TILES if t <= MOST_TILES[fmt][rows])
+
+
+def tiles_for(fmt: str, rows: int, n: int, sm_count: int) -> int:
+    """The most row tiles a block (of the kernels for `rows` tokens) that leave at least 2 blocks an SM."""
+    return max(t for t in tiles_of(fmt, rows) if t == 1 or -(-n // (ROWS * t)) >= 2 * sm_count)
 
 
 def variant(rows: int) -> int:
@@ -81,17 +95,18 @@ def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 def shape_problem(fmt: str, n: int, k: int) -> str | None:
     if fmt not in TENSOR_CORE_FORMATS:
         return f"the tensor-core GEMM takes {', '.join(TENSOR_CORE_FORMATS)}, not {fmt}"
-    if k % BLOCK_VALUES or n % ROWS:
-        return f"the tensor-core GEMM takes K a multiple of {BLOCK_VALUES} and N of {ROWS}; got {n} x {k}"
+    if k % BLOCK_VALUES:
+        return f"the tensor-core GEMM takes K a multiple of {BLOCK_VALUES}; got {n} x {k}"
     return None
 
 
-def units(spec: ChipSpec) -> list[KernelUnit]:
-    """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion."""
-    variants = [{"name": kernel_name(f, rows), "fmt": f.upper(), "cls": CLASSES[f], "rows": rows}
-                for f in TENSOR_CORE_FORMATS for rows in VARIANTS]
+def units(spec: ChipSpec, weights_l1: bool = False) -> list[KernelUnit]:
+    """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion.
+    weights_l1: the weight loads allocate in L1 (by default they do not, and leave it to the activations)."""
+    variants = [{"name": kernel_name(f, rows, tiles), "fmt": f.upper(), "cls": CLASSES[f], "rows": rows,
+                 "tiles": tiles} for f in TENSOR_CORE_FORMATS for rows in VARIANTS for tiles in tiles_of(f, rows)]
     sigs = tuple(KernelSig(v["name"], WARPS * 32) for v in variants)
-    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants},
+    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants, "weights_l1": weights_l1},
                        (*sigs, KernelSig("qgemm_tc_x16", 256)))]
 
 
@@ -104,29 +119,33 @@ class QGemmTC:
 
     def __init__(self, module, spec: ChipSpec, fmt: str, max_rows: int, k: int):
         self.spec, self.fmt, self.k, self.max_rows = spec, fmt, k, max_rows
-        self.gemm = {rows: module.kernel(kernel_name(fmt, rows)) for rows in VARIANTS}
+        self.gemm = {(rows, tiles): module.kernel(kernel_name(fmt, rows, tiles))
+                     for rows in VARIANTS for tiles in tiles_of(fmt, rows)}
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((padded_rows(max_rows), k), np.float16)
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
-                 xq=None) -> None:
+                 xq=None, tiles: int | None = None) -> None:
         if m > self.max_rows:
             raise ValueError(f"{m} rows exceed the {self.max_rows} this GEMM was made for")
         k, padded = self.k, padded_rows(m) * self.k  # X to fp16, zeros to the end of the last launch's tokens
         self.to_half(min(4 * self.spec.chip.sm_count, -(-padded // 256)), 256, x, self.x16, m * k, padded,
                      stream=stream)
-        self.product(w, y, n, m, stream)
+        self.product(w, y, n, m, stream, tiles)
 
-    def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None) -> None:
-        """The product alone, from the fp16 rows the last call left (benchmarks time this)."""
+    def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None, tiles: int | None = None) -> None:
+        """The product alone, from the fp16 rows the last call left (benchmarks time this). tiles: row tiles a block
+        (at most the kernel's MOST_TILES; by default tiles_for's)."""
         if problem := shape_problem(self.fmt, n, self.k):
             raise ValueError(problem)
         k = self.k
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):
             rows = min(MAX_ROWS_A_LAUNCH, m - m0)
             tokens = variant(rows)  # the kernel reads this many rows of X: zeros past m (__call__)
-            self.gemm[tokens](n // ROWS, WARPS * 32, w, self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
-                              y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
+            t = min(tiles, MOST_TILES[self.fmt][tokens]) if tiles else tiles_for(self.fmt, tokens, n, self.spec.chip.sm_count)
+            self.gemm[tokens, t](-(-n // (ROWS * t)), WARPS * 32, w,
+                                     self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
+                                     y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
 
     def free(self) -> None:
         self.x16.free()

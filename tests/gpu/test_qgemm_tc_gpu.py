@@ -37,14 +37,14 @@ def weights(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     return quantize(w, ggml_type(fmt)).reshape(n, -1)
 
 
-def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
+def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, tiles: int | None = None) -> np.ndarray:
     mod, spec = module()
     n, m = raw.shape[0], x.shape[0]
     op = qgemm_tc.QGemmTC(mod, spec, fmt, MAX_ROWS, k)
     w, dx = qgemv.device_weights(raw), DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
     y = DeviceArray.empty((m, n), np.float32)
     y.fill_bytes(0xFF)  # poison: an unwritten output shows as NaN
-    op(w, dx, y, n, m)
+    op(w, dx, y, n, m, tiles=tiles)
     synchronize()
     out = y.numpy()
     for a in (op, w, dx, y):
@@ -53,14 +53,16 @@ def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
+@pytest.mark.parametrize("tiles", qgemm_tc.TILES)
 @SETTINGS
 @given(m=st.one_of(st.sampled_from([1, 2, 8, 9, 16, 17, 32, 33, 48, 49, 100]), st.integers(1, MAX_ROWS)),
-       n16=st.integers(1, 20), kb=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
-def test_matches_numpy(fmt, m, n16, kb, seed):
-    n, k = 16 * n16, 256 * kb
+       n=st.integers(1, 320), kb=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
+def test_matches_numpy(fmt, tiles, m, n, kb, seed):
+    """Any N (a block's row tiles past it store nothing), every row-tile count."""
+    k = 256 * kb
     raw = weights(fmt, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32)
-    out = run(fmt, raw, x, k)
+    out = run(fmt, raw, x, k, tiles)
     assert np.isfinite(out).all(), "unwritten outputs"
     assert relative_error(out, qgemm_tc.reference(raw, fmt, x)) < 1e-4
 
@@ -68,16 +70,16 @@ def test_matches_numpy(fmt, m, n16, kb, seed):
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
 @pytest.mark.parametrize("n, k", [(64, 1024), (5120, 5120)])
 def test_a_token_gives_the_same_bits_whatever_m_and_its_row(fmt, n, k):
-    """Each of 48 tokens alone (M = 1, the decode GEMV), all 48 in one launch in two row orders, and in launches of
-    17 and 31 rows (other tile counts): the same bits for every token."""
+    """Each of 48 tokens alone (M = 1, the decode GEMV; each row-tile count in turn), all 48 in one launch in two
+    row orders, and in launches of 17 and 31 rows (other token-tile counts): the same bits for every token."""
     raw = weights(fmt, n, k, 3)
     x = np.random.default_rng(4).standard_normal((48, k), dtype=np.float32)
     together = run(fmt, raw, x, k)
     order = np.random.default_rng(5).permutation(48)
-    shuffled = run(fmt, raw, x[order], k)
-    split = np.concatenate([run(fmt, raw, x[:17], k), run(fmt, raw, x[17:], k)])
+    shuffled = run(fmt, raw, x[order], k, tiles=1)
+    split = np.concatenate([run(fmt, raw, x[:17], k), run(fmt, raw, x[17:], k, tiles=2)])
     for t in range(48):
-        alone = run(fmt, raw, x[t:t + 1], k)[0]
+        alone = run(fmt, raw, x[t:t + 1], k, tiles=qgemm_tc.TILES[t % len(qgemm_tc.TILES)])[0]
         assert np.array_equal(alone, together[t]), f"token {t}: M = 1 and M = 48 differ"
         assert np.array_equal(shuffled[np.flatnonzero(order == t)[0]], together[t]), f"token {t}: row order"
         assert np.array_equal(split[t], together[t]), f"token {t}: launches of 17 and 31 rows"
