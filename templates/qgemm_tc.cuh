@@ -49,23 +49,6 @@ struct XCols {
     }
 };
 
-// A weight load: read once, so (WEIGHTS_L1 0) it does not allocate in L1, which the activations, read by every
-// row tile, keep.
-template <class T>
-__device__ __forceinline__ T load_weights(const unsigned char* p) {
-#if WEIGHTS_L1
-    return __ldg(reinterpret_cast<const T*>(p));
-#else
-    T v;
-    if constexpr (sizeof(T) == 16)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    else
-        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-#endif
-}
-
 // Tile i's A (rows g, g + 8 of its 16) times each token tile's B: every B fragment serves all TILES row tiles.
 template <int TILES, int NT>
 __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const unsigned (&a)[TILES][4],
@@ -83,6 +66,7 @@ __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const u
 // b = fl16(-(dmin m)).
 struct TcQ4K {
     static constexpr int BLOCK_BYTES = 144;
+    static constexpr int RUN_BYTES = 144;  // a block's bytes in shared memory (the weights 16-byte aligned)
 
     // sub-block j's fp16 scale and bias as one word (scale in the low half)
     __device__ static unsigned scale_bias(int j, const uint4& h) {
@@ -116,9 +100,9 @@ struct TcQ4K {
         for (int i = 0; i < TILES; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const uint4 h = load_weights<uint4>(blk[i][r]);
+                const uint4 h = *reinterpret_cast<const uint4*>(blk[i][r]);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) qs[i][r][c] = load_weights<uint2>(blk[i][r] + 16 + 32 * c + 8 * t);
+                for (int c = 0; c < 4; ++c) qs[i][r][c] = *reinterpret_cast<const uint2*>(blk[i][r] + 16 + 32 * c + 8 * t);
                 own[i][r][0] = scale_bias(2 * t, h), own[i][r][1] = scale_bias(2 * t + 1, h);
             }
 #pragma unroll
@@ -157,6 +141,7 @@ struct TcQ4K {
 // 210 bytes, so words come from 2-byte aligned addresses (load_words_a2). Weights fl16((q - 32) s), s = fl16(d sc).
 struct TcQ6K {
     static constexpr int BLOCK_BYTES = 210;
+    static constexpr int RUN_BYTES = 224;  // the 16-byte-aligned run that holds a block at any even address
 
     template <int TILES, int NT>
     __device__ static void superblock(const unsigned char* const (&blk)[TILES][2], size_t k_base, const XCols<NT>& x,
@@ -169,7 +154,7 @@ struct TcQ6K {
         for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                d[tile][r] = __half2float(__ldg(reinterpret_cast<const __half*>(blk[tile][r] + 208)));
+                d[tile][r] = __half2float(*reinterpret_cast<const __half*>(blk[tile][r] + 208));
                 load_words_a2<4>(blk[tile][r] + 192, sc[tile][r]);
             }
 #pragma unroll
@@ -227,28 +212,53 @@ struct TcQ6K {
 // N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M) and 0 .. M - 1 of Y. Warp w takes a
 // contiguous share of K's super-blocks; the warps' sums are added in warp order, whatever TILES and NT, so a token's
 // outputs are the same bits in every variant.
-template <class F, int NT, int TILES, int WARPS>
+//
+// Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; a
+// block's run of 16-byte words, the block at its offset in the first), STAGES - 1 super-blocks ahead of the one it
+// multiplies. Dynamic shared memory: qgemm_tc_smem(WARPS, STAGES, TILES, NT, F::RUN_BYTES) bytes.
+template <class F, int NT, int TILES, int WARPS, int STAGES>
 __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X, float* __restrict__ Y,
                          int M, int N, int K) {
-    __shared__ float partial[WARPS][TILES][NT][32][4];
+    constexpr int ROWS_W = 16 * TILES, CHUNKS = F::RUN_BYTES / 16, STAGE = ROWS_W * F::RUN_BYTES;
+    extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-    const int n0 = blockIdx.x * 16 * TILES, blocks = K / 256;
+    unsigned char* const stages = smem + warp * STAGES * STAGE;
+    float(*partial)[TILES][NT][32][4] = reinterpret_cast<float(*)[TILES][NT][32][4]>(smem + WARPS * STAGES * STAGE);
+    const int n0 = blockIdx.x * ROWS_W, blocks = K / 256;
     const int s0 = warp * blocks / WARPS, s1 = (warp + 1) * blocks / WARPS;
     const size_t row_bytes = (size_t)blocks * F::BLOCK_BYTES;
-    const unsigned char* rows[TILES][2];
-#pragma unroll
-    for (int i = 0; i < TILES; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) rows[i][r] = W + min(n0 + 16 * i + 8 * r + g, N - 1) * row_bytes;
+    const auto row = [&](int j) { return W + min(n0 + j, N - 1) * row_bytes; };  // the warp's row j
+    const auto issue = [&](int s) {  // super-block s of the warp's rows into its stage, if s is in the warp's share
+        if (s < s1) {
+            unsigned char* const dst = stages + (s - s0) % STAGES * STAGE;
+            for (int c = lane; c < ROWS_W * CHUNKS; c += 32) {
+                const int j = c / CHUNKS, ch = c % CHUNKS;
+                const size_t src = reinterpret_cast<size_t>(row(j) + (size_t)s * F::BLOCK_BYTES);
+                if (ch * 16 < (int)(src & 15) + F::BLOCK_BYTES)
+                    cp_async16(dst + j * F::RUN_BYTES + ch * 16, reinterpret_cast<const void*>((src & ~size_t(15)) + ch * 16),
+                               true);
+            }
+        }
+        cp_async_commit();  // empty past the share: every iteration waits on the same group count
+    };
     const XCols<NT> x(X, K);
     float acc[TILES][NT][4] = {};
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) issue(s0 + p);
 #pragma unroll 1
     for (int s = s0; s < s1; ++s) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();  // every lane's copies of s have landed; every lane is done with s - 1's stage
+        issue(s + STAGES - 1);
+        const unsigned char* const stage = stages + (s - s0) % STAGES * STAGE;
         const unsigned char* blk[TILES][2];
 #pragma unroll
         for (int i = 0; i < TILES; ++i)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) blk[i][r] = rows[i][r] + (size_t)s * F::BLOCK_BYTES;
+            for (int r = 0; r < 2; ++r) {
+                const int j = 16 * i + 8 * r + g;
+                blk[i][r] = stage + j * F::RUN_BYTES + (reinterpret_cast<size_t>(row(j) + (size_t)s * F::BLOCK_BYTES) & 15);
+            }
         F::template superblock<TILES, NT>(blk, (size_t)s * 256, x, acc);
     }
 #pragma unroll

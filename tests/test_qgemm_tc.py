@@ -50,14 +50,6 @@ def test_padded_rows_cover_every_launch(m, rows):
     assert qgemm_tc.padded_rows(m) == rows
 
 
-@pytest.mark.parametrize("fmt, rows, n, sms, tiles", [("q4_k", 8, 17408, 132, 4), ("q4_k", 48, 17408, 132, 2),
-                                                      ("q6_k", 8, 17408, 132, 2), ("q4_k", 16, 10240, 132, 2),
-                                                      ("q4_k", 8, 5120, 132, 1), ("q4_k", 8, 5120, 40, 4),
-                                                      ("q4_k", 8, 48, 132, 1)])
-def test_tiles_leave_two_blocks_an_sm(fmt, rows, n, sms, tiles):
-    assert qgemm_tc.tiles_for(fmt, rows, n, sms) == tiles
-
-
 def test_shape_problem_names_the_shape_and_the_format():
     assert "104 x 500" in qgemm_tc.shape_problem("q4_k", 104, 500)
     assert "not q8_0" in qgemm_tc.shape_problem("q8_0", 5120, 5120)
@@ -68,7 +60,7 @@ def test_shape_problem_names_the_shape_and_the_format():
 def test_kernels_compile_without_spills(tmp_path, spec_name):
     result = build(load_spec(spec_name), tiny_config(), qgemm_tc.units(load_spec(spec_name)), root=tmp_path)
     names = {qgemm_tc.kernel_name(f, rows, tiles) for f in TENSOR_CORE_FORMATS for rows in qgemm_tc.VARIANTS
-             for tiles in qgemm_tc.tiles_of(f, rows)}
+             for tiles in qgemm_tc.TILES}
     assert {k.name for k in result.kernels} == names | {"qgemm_tc_x16"}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"

@@ -8,7 +8,8 @@ same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asser
 needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
 tensor core's, so the numpy reference is within a tolerance, not bit for bit.
 
-Status: correct and batch-invariant on the H200 (session 10); row tiles a block not yet run on a GPU.
+Status: correct and batch-invariant on the H200 (session 10, one row tile, loads from global); the cp.async stages
+not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -21,17 +22,19 @@ from ..spec import TENSOR_CORE_FORMATS, ChipSpec
 
 BLOCK_VALUES = 256
 BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+RUN_BYTES = {"q4_k": 144, "q6_k": 224}  # a block's run of 16-byte words in shared memory (Q6_K's: at any even address)
 CLASSES = {"q4_k": "TcQ4K", "q6_k": "TcQ6K"}
 WARPS = 4     # warps a block, each a share of K's super-blocks
+STAGES = 3    # shared-memory buffers a warp streams its super-blocks through (cp.async, STAGES - 1 ahead)
 # tokens a kernel takes (8 a tile of the mma's B): a launch takes the first that holds its rows (more than 48: more
 # launches, 48 each); X is padded with zero rows to the kernel's count. Every kernel does the same arithmetic per token.
 VARIANTS = (8, 16, 32, 48)
 MAX_ROWS_A_LAUNCH = VARIANTS[-1]
 ROWS = 16     # output rows of the mma's A tile
-# row tiles a block (each activation fragment a warp loads serves that many): fewer blocks read X fewer times, but
-# fewer blocks spread less evenly over the SMs (tiles_for chooses per launch)
-TILES = (1, 2, 4)
-MOST_TILES = {"q4_k": {8: 4, 16: 4, 32: 2, 48: 2}, "q6_k": {8: 2, 16: 2, 32: 2, 48: 2}}  # past these, ptxas spills
+# row tiles a block (each activation fragment a warp loads serves them all): two read X half as often, but make
+# half the blocks; a block takes two from TWO_TILES_FROM tokens (session 10's sweep: results/logs/h200-s10-*)
+TILES = (1, 2)
+TWO_TILES_FROM = {"q4_k": 16, "q6_k": 32}
 UNIT = "qgemm_tc"
 
 
@@ -39,14 +42,9 @@ def kernel_name(fmt: str, rows: int, tiles: int) -> str:
     return f"qgemm_tc_{fmt}_m{rows}_t{tiles}"
 
 
-def tiles_of(fmt: str, rows: int) -> tuple[int, ...]:
-    """The row tiles a block of the kernels for `rows` tokens come in."""
-    return tuple(t for t in TILES if t <= MOST_TILES[fmt][rows])
-
-
-def tiles_for(fmt: str, rows: int, n: int, sm_count: int) -> int:
-    """The most row tiles a block (of the kernels for `rows` tokens) that leave at least 2 blocks an SM."""
-    return max(t for t in tiles_of(fmt, rows) if t == 1 or -(-n // (ROWS * t)) >= 2 * sm_count)
+def tiles_for(fmt: str, rows: int) -> int:
+    """Row tiles a block in the kernel for `rows` tokens."""
+    return 2 if rows >= TWO_TILES_FROM[fmt] else 1
 
 
 def variant(rows: int) -> int:
@@ -100,13 +98,18 @@ def shape_problem(fmt: str, n: int, k: int) -> str | None:
     return None
 
 
-def units(spec: ChipSpec, weights_l1: bool = False) -> list[KernelUnit]:
-    """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion.
-    weights_l1: the weight loads allocate in L1 (by default they do not, and leave it to the activations)."""
+def smem_bytes(fmt: str, rows: int, tiles: int) -> int:
+    """Dynamic shared memory of a kernel: each warp's stages, then the warps' partial sums (fp32 mma fragments)."""
+    return WARPS * STAGES * 16 * tiles * RUN_BYTES[fmt] + WARPS * tiles * rows // 8 * 32 * 4 * 4
+
+
+def units(spec: ChipSpec) -> list[KernelUnit]:
+    """One unit per chip (the shapes are launch arguments): every format's kernels and the fp16 conversion."""
     variants = [{"name": kernel_name(f, rows, tiles), "fmt": f.upper(), "cls": CLASSES[f], "rows": rows,
-                 "tiles": tiles} for f in TENSOR_CORE_FORMATS for rows in VARIANTS for tiles in tiles_of(f, rows)]
-    sigs = tuple(KernelSig(v["name"], WARPS * 32) for v in variants)
-    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "variants": variants, "weights_l1": weights_l1},
+                 "tiles": tiles, "smem": smem_bytes(f, rows, tiles)}
+                for f in TENSOR_CORE_FORMATS for rows in VARIANTS for tiles in TILES]
+    sigs = tuple(KernelSig(v["name"], WARPS * 32, dynamic_smem=v["smem"]) for v in variants)
+    return [KernelUnit(UNIT, "qgemm_tc.cu.j2", {"warps": WARPS, "stages": STAGES, "variants": variants},
                        (*sigs, KernelSig("qgemm_tc_x16", 256)))]
 
 
@@ -120,7 +123,9 @@ class QGemmTC:
     def __init__(self, module, spec: ChipSpec, fmt: str, max_rows: int, k: int):
         self.spec, self.fmt, self.k, self.max_rows = spec, fmt, k, max_rows
         self.gemm = {(rows, tiles): module.kernel(kernel_name(fmt, rows, tiles))
-                     for rows in VARIANTS for tiles in tiles_of(fmt, rows)}
+                     for rows in VARIANTS for tiles in TILES}
+        for (rows, tiles), kernel in self.gemm.items():
+            kernel.set_max_dynamic_smem(smem_bytes(fmt, rows, tiles))
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((padded_rows(max_rows), k), np.float16)
 
@@ -135,17 +140,20 @@ class QGemmTC:
 
     def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None, tiles: int | None = None) -> None:
         """The product alone, from the fp16 rows the last call left (benchmarks time this). tiles: row tiles a block
-        (at most the kernel's MOST_TILES; by default tiles_for's)."""
+        (by default tiles_for's)."""
         if problem := shape_problem(self.fmt, n, self.k):
             raise ValueError(problem)
+        if w.ptr % 16 and self.fmt == "q4_k":  # the kernel reads its blocks as 16-byte words
+            raise ValueError(f"Q4_K weights for the tensor-core GEMM must start 16-byte aligned (at {w.ptr:#x})")
         k = self.k
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):
             rows = min(MAX_ROWS_A_LAUNCH, m - m0)
             tokens = variant(rows)  # the kernel reads this many rows of X: zeros past m (__call__)
-            t = min(tiles, MOST_TILES[self.fmt][tokens]) if tiles else tiles_for(self.fmt, tokens, n, self.spec.chip.sm_count)
+            t = tiles or tiles_for(self.fmt, tokens)
             self.gemm[tokens, t](-(-n // (ROWS * t)), WARPS * 32, w,
                                      self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
-                                     y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k, stream=stream)
+                                     y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k,
+                                     smem=smem_bytes(self.fmt, tokens, t), stream=stream)
 
     def free(self) -> None:
         self.x16.free()

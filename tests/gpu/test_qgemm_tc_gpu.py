@@ -37,17 +37,19 @@ def weights(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     return quantize(w, ggml_type(fmt)).reshape(n, -1)
 
 
-def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, tiles: int | None = None) -> np.ndarray:
+def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, tiles: int | None = None, offset: int = 0) -> np.ndarray:
+    """Y from the kernel, the weights `offset` bytes into their allocation."""
     mod, spec = module()
     n, m = raw.shape[0], x.shape[0]
     op = qgemm_tc.QGemmTC(mod, spec, fmt, MAX_ROWS, k)
-    w, dx = qgemv.device_weights(raw), DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
+    buf = qgemv.device_weights(np.concatenate([np.zeros(offset, np.uint8), raw.ravel()]))
+    dx = DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
     y = DeviceArray.empty((m, n), np.float32)
     y.fill_bytes(0xFF)  # poison: an unwritten output shows as NaN
-    op(w, dx, y, n, m, tiles=tiles)
+    op(buf.view(raw.shape, np.uint8, offset_bytes=offset), dx, y, n, m, tiles=tiles)
     synchronize()
     out = y.numpy()
-    for a in (op, w, dx, y):
+    for a in (op, buf, dx, y):
         a.free()
     return out
 
@@ -65,6 +67,22 @@ def test_matches_numpy(fmt, tiles, m, n, kb, seed):
     out = run(fmt, raw, x, k, tiles)
     assert np.isfinite(out).all(), "unwritten outputs"
     assert relative_error(out, qgemm_tc.reference(raw, fmt, x)) < 1e-4
+
+
+@pytest.mark.parametrize("offset", [2, 6, 14, 16])
+def test_q6_k_weights_at_any_even_address(offset):
+    """Q6_K's 210-byte blocks start at every even address mod 16 (each row's run copied whole): a matrix placed
+    `offset` bytes into its allocation gives the reference's product."""
+    n, k, m = 40, 1280, 3
+    raw = weights("q6_k", n, k, offset)
+    x = np.random.default_rng(offset + 1).standard_normal((m, k), dtype=np.float32)
+    out = run("q6_k", raw, x, k, offset=offset)
+    assert relative_error(out, qgemm_tc.reference(raw, "q6_k", x)) < 1e-4
+
+
+def test_misaligned_q4_k_weights_are_refused():
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        run("q4_k", weights("q4_k", 16, 256, 0), np.ones((1, 256), np.float32), 256, offset=8)
 
 
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
