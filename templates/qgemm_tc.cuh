@@ -29,6 +29,15 @@ __host__ __device__ constexpr int qgemm_x_slot(int i) {
     return (i & ~3) | (j == 1 ? 2 : j == 2 ? 1 : j);
 }
 
+// X's rows go to fp16 scaled by 2^-e, e = this of the row's largest |x|: the least e >= 0 that brings it below 2^15,
+// so that no activation overflows fp16 (65504); the product's row is multiplied by 2^e, exactly. A power of two
+// changes no rounding in fp16's normal range, and e depends on the token's own row alone (batch invariance).
+__device__ __forceinline__ int qgemm_x_exponent(float most) {
+    int ex;
+    frexpf(most, &ex);  // most = f 2^ex, f in [0.5, 1)
+    return min(max(ex - 15, 0), 126);
+}
+
 // Where lane (g, t)'s B columns start: token g of each 8-token tile of X. X holds whole tiles (the launcher pads it
 // with zero rows), so no row is out of range and none needs a select.
 template <int NT>
@@ -209,16 +218,16 @@ struct TcQ6K {
 };
 
 // A launch: ceil(N / (16 TILES)) blocks of WARPS * 32 threads, each TILES row tiles of 16 (a last block's tiles past
-// N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M) and 0 .. M - 1 of Y. Warp w takes a
-// contiguous share of K's super-blocks; the warps' sums are added in warp order, whatever TILES and NT, so a token's
-// outputs are the same bits in every variant.
+// N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M), their scales S (qgemm_tc_x16), and
+// rows 0 .. M - 1 of Y. Warp w takes a contiguous share of K's super-blocks; the warps' sums are added in warp
+// order, whatever TILES and NT, so a token's outputs are the same bits in every variant.
 //
 // Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; a
 // block's run of 16-byte words, the block at its offset in the first), STAGES - 1 super-blocks ahead of the one it
 // multiplies. Dynamic shared memory: qgemm_tc_smem(WARPS, STAGES, TILES, NT, F::RUN_BYTES) bytes.
 template <class F, int NT, int TILES, int WARPS, int STAGES>
-__device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X, float* __restrict__ Y,
-                         int M, int N, int K) {
+__device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X,
+                         const float* __restrict__ S, float* __restrict__ Y, int M, int N, int K) {
     constexpr int ROWS_W = 16 * TILES, CHUNKS = F::RUN_BYTES / 16, STAGE = ROWS_W * F::RUN_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
@@ -275,7 +284,7 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         for (int w = 1; w < WARPS; ++w) sum += partial[w][i][nt][ln][e];
         // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8
         const int token = 8 * nt + 2 * (ln % 4) + e % 2, n = n0 + 16 * i + ln / 4 + 8 * (e / 2);
-        if (token < M && n < N) Y[(size_t)token * N + n] = sum;
+        if (token < M && n < N) Y[(size_t)token * N + n] = sum * S[token];
     }
 }
 

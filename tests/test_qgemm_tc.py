@@ -50,6 +50,18 @@ def test_padded_rows_cover_every_launch(m, rows):
     assert qgemm_tc.padded_rows(m) == rows
 
 
+def test_rows_past_the_fp16_range_are_scaled_by_a_power_of_two_into_it():
+    """A row's largest |x| below 2^15 after the scaling, the least scaling that does it, and 1 for a row that fits."""
+    most = np.array([1, 2.0**15, 3e5, 2.0**15 - 1, 1e-30, 6.5e4], np.float32)
+    x = np.random.default_rng(0).uniform(-0.5, 0.5, (6, 256)).astype(np.float32) * most[:, None]
+    x[:, 7] = -most
+    x16, scale = qgemm_tc.x_fp16(x)
+    assert np.isfinite(x16).all()
+    most = np.abs(x).max(axis=1) / scale
+    assert (most < 2.0**15).all() and ((scale == 1) | (most >= 2.0**14)).all()
+    assert list(scale) == [1, 2, 16, 1, 1, 2]
+
+
 def test_shape_problem_names_the_shape_and_the_format():
     assert "104 x 500" in qgemm_tc.shape_problem("q4_k", 104, 500)
     assert "not q8_0" in qgemm_tc.shape_problem("q8_0", 5120, 5120)

@@ -2,14 +2,15 @@
 launcher. Q4_K and Q6_K (the formats of a Q4_K_M file's matrices).
 
 Y [M, N] fp32 = X [M, K] W^T for rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16 in
-registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X rounded to fp16, with fp32 sums on
+registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X's rows in fp16 (each scaled by a power
+of two into fp16's range first, and the product's row scaled back: x_fp16), with fp32 sums on
 tensor cores. The decode GEMV (M = 1) and the GEMM of a tree verify are the same kernel; a token's outputs are the
 same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asserts it), so greedy verification
 needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
 tensor core's, so the numpy reference is within a tolerance, not bit for bit.
 
-Status: correct and batch-invariant on the H200 (session 10, one row tile, loads from global); the cp.async stages
-not yet run on a GPU.
+Status: correct and batch-invariant on the H200 (session 10, 3 cp.async stages, 1-2 row tiles); fp16-range
+scaling of X not yet run on a GPU. Off in every spec: ~38% of the read rate at M = 1 (docs/design.md, Session 10).
 """
 from __future__ import annotations
 
@@ -84,10 +85,23 @@ def dequantize_fp16(raw: np.ndarray, fmt: str) -> np.ndarray:
     return {"q4_k": _q4_k, "q6_k": _q6_k}[fmt](b).reshape(raw.shape[0], -1)
 
 
+def x_exponents(x: np.ndarray) -> np.ndarray:
+    """e per row of X: the least e >= 0 that brings the row's largest |x| below 2^15 (qgemm_x_exponent)."""
+    _, ex = np.frexp(np.abs(np.asarray(x, np.float32)).max(axis=1))
+    return np.clip(ex - 15, 0, 126)
+
+
+def x_fp16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """X's rows as the kernel takes them: times 2^-e rounded to fp16, and the scales 2^e its products are multiplied
+    by (qgemm_tc_x16, in slot order there)."""
+    e = x_exponents(x).astype(np.float32)
+    return (np.asarray(x, np.float32) * np.exp2(-e)[:, None]).astype(np.float16), np.exp2(e)
+
+
 def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """Y [M, N] in float64 from the kernel's fp16 operands: X rounded to fp16, the fp16 weights."""
-    x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
-    return x16 @ dequantize_fp16(raw, fmt).astype(np.float64).T
+    """Y [M, N] in float64 from the kernel's fp16 operands: X's scaled rows in fp16, the fp16 weights."""
+    x16, scale = x_fp16(x)
+    return (x16.astype(np.float64) @ dequantize_fp16(raw, fmt).astype(np.float64).T) * scale[:, None]
 
 
 def shape_problem(fmt: str, n: int, k: int) -> str | None:
@@ -128,14 +142,14 @@ class QGemmTC:
             kernel.set_max_dynamic_smem(smem_bytes(fmt, rows, tiles))
         self.to_half = module.kernel("qgemm_tc_x16")
         self.x16 = DeviceArray.empty((padded_rows(max_rows), k), np.float16)
+        self.scale = DeviceArray.empty(padded_rows(max_rows), np.float32)  # 2^e a row (x_fp16)
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
                  xq=None, tiles: int | None = None) -> None:
         if m > self.max_rows:
             raise ValueError(f"{m} rows exceed the {self.max_rows} this GEMM was made for")
-        k, padded = self.k, padded_rows(m) * self.k  # X to fp16, zeros to the end of the last launch's tokens
-        self.to_half(min(4 * self.spec.chip.sm_count, -(-padded // 256)), 256, x, self.x16, m * k, padded,
-                     stream=stream)
+        # X to fp16, zeros to the end of the last launch's tokens
+        self.to_half(padded_rows(m), 256, x, self.x16, self.scale, m, self.k, stream=stream)
         self.product(w, y, n, m, stream, tiles)
 
     def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None, tiles: int | None = None) -> None:
@@ -152,8 +166,10 @@ class QGemmTC:
             t = tiles or tiles_for(self.fmt, tokens)
             self.gemm[tokens, t](-(-n // (ROWS * t)), WARPS * 32, w,
                                      self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
+                                     self.scale.view(tokens, offset_bytes=4 * m0),
                                      y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k,
                                      smem=smem_bytes(self.fmt, tokens, t), stream=stream)
 
     def free(self) -> None:
         self.x16.free()
+        self.scale.free()

@@ -69,6 +69,20 @@ def test_matches_numpy(fmt, tiles, m, n, kb, seed):
     assert relative_error(out, qgemm_tc.reference(raw, fmt, x)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
+def test_rows_past_the_fp16_range(fmt):
+    """Activations up to 1e9 (fp16 ends at 65504): each row scaled into fp16 by a power of two and back; a small row
+    beside them keeps its own precision."""
+    n, k = 48, 512
+    raw = weights(fmt, n, k, 7)
+    x = np.random.default_rng(8).standard_normal((4, k), dtype=np.float32) * np.float32([1e9, 7e4, 1.0, 1e-3])[:, None]
+    out = run(fmt, raw, x, k)
+    ref = qgemm_tc.reference(raw, fmt, x)
+    assert np.isfinite(out).all()
+    for r in range(4):
+        assert relative_error(out[r], ref[r]) < 1e-4, f"row {r}"
+
+
 @pytest.mark.parametrize("offset", [2, 6, 14, 16])
 def test_q6_k_weights_at_any_even_address(offset):
     """Q6_K's 210-byte blocks start at every even address mod 16 (each row's run copied whole): a matrix placed
