@@ -61,6 +61,7 @@ class Launch:
 
 
 GEMV_METHODS = ("ldg", "bulk")
+TENSOR_CORE_FORMATS = ("q4_k", "q6_k")  # kernels/qgemm_tc.py's
 QGEMM_METHODS = ("dp4a", "mma")  # the quantized GEMM (M > 1): integer dot products, or int8 mma.sync (sm_80+)
 
 
@@ -87,6 +88,8 @@ class QGemvTuning:
                               # the loads go straight into registers
     gemm: str = "dp4a"        # the GEMM (M > 1) of the formats that have both: dp4a, or mma (int8 tensor cores)
     gemm_mma_from: int = 2    # with gemm = mma: the smallest M the int8 mma GEMM takes (dp4a's M-tiles below it)
+    tensor_core_formats: tuple[str, ...] = ()  # formats whose rows go through kernels/qgemm_tc.py at every M (the
+                                               # decode GEMV and the verify GEMM in one batch-invariant kernel)
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
+    if unknown := set(t.qgemv.tensor_core_formats) - set(TENSOR_CORE_FORMATS):
+        _fail(source, "tuning.qgemv.tensor_core_formats", f"{', '.join(sorted(unknown))}: the tensor-core kernel "
+              f"takes {', '.join(TENSOR_CORE_FORMATS)}")
     if t.qgemv.gemm not in QGEMM_METHODS:
         _fail(source, "tuning.qgemv.gemm", f"{t.qgemv.gemm!r} is not one of {', '.join(QGEMM_METHODS)}")
     if not 2 <= t.qgemv.gemm_mma_from <= 65:

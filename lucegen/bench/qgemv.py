@@ -13,14 +13,16 @@ against the exact product in float64 on normal activations.
 
 Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
 "<format> <N>x<K> M=<M>"; qgemv_time_vs_m1 (time per call over the M = 1 call's, M > 1); qgemv_rel_err per format
-and shape (M = 1); cublas_bf16_us for the peer.
+and shape (M = 1); cublas_bf16_us for the peer. The batch-invariant tensor-core kernels (kernels/qgemm_tc.py, one
+kernel for every M; Q4_K and Q6_K) are timed the same way on the same shapes at TC_MS: qgemm_tc_bw_frac, their X
+rounded to fp16 beforehand as the quantized formats' XBlocks are.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..codegen.build import build
-from ..kernels import qgemv
+from ..kernels import qgemm_tc, qgemv
 from ..model.config import tiny_config
 from ..runtime import DeviceArray, Graph, Stream, device_info
 from ..spec import spec_for_current_device
@@ -31,6 +33,7 @@ from .timing import median_ms
 # (N, K): ffn_gate / ffn_up, ffn_down, the DeltaNet attn_qkv
 SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "attn_qkv": (10240, 5120)}
 MS = (1, 4, 16, 64)
+TC_MS = (1, 8, 9, 16, 17, 33, 48)  # the decode GEMV and tree verifies of up to 47 nodes
 
 
 def _torch_mm_us(n: int, k: int, m: int, distinct: int) -> float | None:
@@ -73,6 +76,35 @@ def _us_per_call(op: qgemv.QMatmul, ws: list[DeviceArray], x: DeviceArray, y: De
     us = median_ms(graph.launch, stream) / len(ws) * 1e3
     graph.destroy()
     return us
+
+
+def tensor_cores(rec: Recorder, spec, read_gbs: float, stream: Stream, rng: np.random.Generator) -> None:
+    """kernels/qgemm_tc.py's kernels on SHAPES at TC_MS, replayed from a graph with the weights rotated as
+    _us_per_call does; the same records as qgemv_bw_frac under qgemm_tc_bw_frac."""
+    info = device_info()
+    module = build(spec, tiny_config(), qgemm_tc.units(spec)).module(qgemm_tc.UNIT)
+    for fmt, (label, (n, k)) in ((f, shape) for f in qgemm_tc.TENSOR_CORE_FORMATS for shape in SHAPES.items()):
+        op = qgemm_tc.QGemmTC(module, spec, fmt, max(TC_MS), k)
+        raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
+        ws = _weights(raw, info.l2_bytes)
+        for m in TC_MS:
+            x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+            y = DeviceArray.empty((m, n), np.float32)
+            op(ws[0], x, y, n, m, stream=stream)  # X to fp16, once
+            with Graph.capture(stream) as graph:
+                for w in ws:
+                    op.product(w, y, n, m, stream=stream)
+            us = median_ms(graph.launch, stream) / len(ws) * 1e3
+            graph.destroy()
+            gbs = raw.nbytes / (us * 1e-6) / 1e9
+            rec.record("qgemm_tc_bw_frac", f"{fmt} {n}x{k} M={m}", gbs / read_gbs, "fraction", 1.0,
+                       achieved_gbs=round(gbs, 1), read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label)
+            print(f"tensor cores {fmt} {label:<10} {f'{n}x{k}':>12} {m:>3} {us:9.1f} {gbs:7.0f} {gbs / read_gbs:7.1%}")
+            x.free()
+            y.free()
+        for w in ws:
+            w.free()
+        op.free()
 
 
 def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
@@ -182,5 +214,6 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
                 y.free()
             for w in ws:
                 w.free()
+    tensor_cores(rec, spec, read_gbs, stream, rng)
     if tune_knobs:
         tune(rec, spec, read_gbs, stream)

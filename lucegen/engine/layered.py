@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
-from ..kernels import argmax, layered, qgemv, tree
+from ..kernels import argmax, layered, qgemm_tc, qgemv, tree
 from ..model.config import LINEAR, ModelConfig
 from ..model.draft_config import DraftConfig
 from ..model.gguf_file import GGUFCheckpoint
@@ -50,8 +50,10 @@ from .state import DeviceState
 
 def units(spec: ChipSpec, cfg: ModelConfig, weights: LayeredWeights):
     """Every kernel a step over `weights` launches on `spec` (the tree kernels in the weights' value-head order)."""
+    tc = [(f, k) for f, k in weights.pairs() if f in spec.tuning.qgemv.tensor_core_formats]
     return [*layered.units(spec, cfg, [weights.embed.parts[0].fmt]), *tree.units(spec, cfg, [weights.tiled]),
-            *qgemv.units(spec, cfg, weights.pairs()), *argmax.units(spec, cfg)]
+            *qgemv.units(spec, cfg, [p for p in weights.pairs() if p not in tc]), *argmax.units(spec, cfg),
+            *(qgemm_tc.units(spec) if tc else [])]
 
 
 def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
@@ -111,6 +113,9 @@ class LayeredStep:
         qmods = {}
         self.mm = {}
         for fmt, k in weights.pairs():
+            if fmt in spec.tuning.qgemv.tensor_core_formats:  # one batch-invariant kernel for every M
+                self.mm[fmt, k] = qgemm_tc.QGemmTC(mod(qgemm_tc.UNIT), spec, fmt, self.max_rows, k)
+                continue
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
         self.argmax = argmax.Argmax(mod("argmax"), spec)
