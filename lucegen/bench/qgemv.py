@@ -15,7 +15,7 @@ Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us p
 "<format> <N>x<K> M=<M>"; qgemv_time_vs_m1 (time per call over the M = 1 call's, M > 1); qgemv_rel_err per format
 and shape (M = 1); cublas_bf16_us for the peer. The batch-invariant tensor-core kernels (kernels/qgemm_tc.py, one
 kernel for every M; Q4_K and Q6_K) are timed the same way on the same shapes at TC_MS: qgemm_tc_bw_frac, their X
-rounded to fp16 beforehand as the quantized formats' XBlocks are.
+converted to fp16 beforehand as the quantized formats' XBlocks are.
 """
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asser
 needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
 tensor core's, so the numpy reference is within a tolerance, not bit for bit.
 
-Status: correct and batch-invariant on the H200 (session 10, 3 cp.async stages, 1-2 row tiles); fp16-range
-scaling of X not yet run on a GPU. Off in every spec: ~38% of the read rate at M = 1 (docs/design.md, Session 10).
+Status (session 10, H200): correct against numpy and batch-invariant (tests/gpu/test_qgemm_tc_gpu.py), and with
+tuning.qgemv.tensor_core_formats on, the 27B's greedy speculation equals plain greedy decoding. Off in every spec:
+~38% of the read rate at M = 1 (the CUDA-core GEMV: ~70%), so autoregressive decode halves while DDTree gains ~20%
+(docs/design.md, "Session 10").
 """
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ index, position, head order or state is off by O(0.1..1).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,7 @@ from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.model.gguf_file import load_gguf
 from lucegen.reference import State, decode_step, generate, relative_error
+from lucegen.spec import TENSOR_CORE_FORMATS, spec_for_current_device
 from lucegen.spec_decode.tree import ancestry
 
 from host_layered import RATIO3_Q, after, assert_speculation_is_plain_greedy, checkpoint, unquantized
@@ -334,3 +337,26 @@ def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(tmp_
     prompt = [int(t) for t in np.random.default_rng(10).integers(0, RATIO3_Q.vocab_size, 9)]
     assert_speculation_is_plain_greedy(engine, prompt, 48, depth=7, chain=chain, seed=3,
                                        budget=min(budget, engine.spec.tuning.ddtree.budget))
+
+
+def test_with_q4_k_and_q6_k_on_tensor_cores_a_verify_is_decoding_and_speculation_is_plain_greedy(tmp_path_factory):
+    """tuning.qgemv.tensor_core_formats on: those formats' rows go through kernels/qgemm_tc.py at every M, one
+    batch-invariant kernel for the decode GEMV and the verify GEMM. A tree verify's logits equal decoding each node
+    after its ancestors bit for bit, and speculation gives plain greedy decoding's tokens."""
+    spec = spec_for_current_device()
+    qgemv_tc = dataclasses.replace(spec.tuning.qgemv, tensor_core_formats=TENSOR_CORE_FORMATS)
+    spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, qgemv=qgemv_tc))
+    weights, _ = checkpoint(tmp_path_factory, "gguf", peaked=True)
+    engine = LayeredEngine(weights, RATIO3_Q, spec, max_context=256, chunk=8)
+    assert {f for f, _ in engine.weights.pairs()} >= set(TENSOR_CORE_FORMATS)
+    rng = np.random.default_rng(12)
+    context = rng.integers(0, RATIO3_Q.vocab_size, 11)
+    tokens = rng.integers(0, RATIO3_Q.vocab_size, len(TREE))
+    poison(engine)
+    after(engine, context)
+    logits = engine.verifier().forward(tokens, TREE)
+    for n in range(len(TREE)):
+        np.testing.assert_array_equal(logits[n], after(engine, context, tokens[ancestry(TREE, n)]), err_msg=f"node {n}")
+    prompt = [int(t) for t in rng.integers(0, RATIO3_Q.vocab_size, 9)]
+    assert_speculation_is_plain_greedy(engine, prompt, 40, depth=7, chain=False, seed=4,
+                                       budget=spec.tuning.ddtree.budget)
