@@ -76,6 +76,7 @@ __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const u
 struct TcQ4K {
     static constexpr int BLOCK_BYTES = 144;
     static constexpr int RUN_BYTES = 144;  // a block's bytes in shared memory (the weights 16-byte aligned)
+    static constexpr bool ALIGNED = true;  // every block starts 16-byte aligned
 
     // sub-block j's fp16 scale and bias as one word (scale in the low half)
     __device__ static unsigned scale_bias(int j, const uint4& h) {
@@ -151,6 +152,7 @@ struct TcQ4K {
 struct TcQ6K {
     static constexpr int BLOCK_BYTES = 210;
     static constexpr int RUN_BYTES = 224;  // the 16-byte-aligned run that holds a block at any even address
+    static constexpr bool ALIGNED = false;
 
     template <int TILES, int NT>
     __device__ static void superblock(const unsigned char* const (&blk)[TILES][2], size_t k_base, const XCols<NT>& x,
@@ -237,19 +239,38 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
     const int s0 = warp * blocks / WARPS, s1 = (warp + 1) * blocks / WARPS;
     const size_t row_bytes = (size_t)blocks * F::BLOCK_BYTES;
     const auto row = [&](int j) { return W + min(n0 + j, N - 1) * row_bytes; };  // the warp's row j
+    // The lane's copies, the same for every super-block: copy i is 16-byte word ch of row j's run (c = lane + 32 i
+    // = j CHUNKS + ch), from src[i] + s BLOCK_BYTES (rounded down to 16 bytes) into dst[i] (< 0: no copy).
+    constexpr int COPIES = (ROWS_W * CHUNKS + 31) / 32;
+    const unsigned char* src[COPIES];
+    int dst[COPIES];
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+        const int c = lane + 32 * i, j = c / CHUNKS, ch = c % CHUNKS;
+        const bool copy = c < ROWS_W * CHUNKS;
+        src[i] = row(copy ? j : 0) + 16 * ch;
+        dst[i] = copy ? j * F::RUN_BYTES + 16 * ch : -1;
+    }
     const auto issue = [&](int s) {  // super-block s of the warp's rows into its stage, if s is in the warp's share
         if (s < s1) {
-            unsigned char* const dst = stages + (s - s0) % STAGES * STAGE;
-            for (int c = lane; c < ROWS_W * CHUNKS; c += 32) {
-                const int j = c / CHUNKS, ch = c % CHUNKS;
-                const size_t src = reinterpret_cast<size_t>(row(j) + (size_t)s * F::BLOCK_BYTES);
-                if (ch * 16 < (int)(src & 15) + F::BLOCK_BYTES)
-                    cp_async16(dst + j * F::RUN_BYTES + ch * 16, reinterpret_cast<const void*>((src & ~size_t(15)) + ch * 16),
-                               true);
+            unsigned char* const stage = stages + (s - s0) % STAGES * STAGE;
+            const size_t step = (size_t)s * F::BLOCK_BYTES;
+#pragma unroll
+            for (int i = 0; i < COPIES; ++i) {
+                const size_t a = reinterpret_cast<size_t>(src[i]) + step;
+                // a 16-byte-aligned block (Q4_K) is its whole run; else the words up to the block's last byte
+                const bool in_run = F::ALIGNED || (dst[i] % F::RUN_BYTES) < (int)(a & 15) + F::BLOCK_BYTES;
+                if (dst[i] >= 0 && in_run)
+                    cp_async16(stage + dst[i], reinterpret_cast<const void*>(a & ~size_t(15)), true);
             }
         }
         cp_async_commit();  // empty past the share: every iteration waits on the same group count
     };
+    const unsigned char* lane_rows[TILES][2];  // the lane's rows g, g + 8 of each tile, where their blocks start
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) lane_rows[i][r] = row(16 * i + 8 * r + g);
     const XCols<NT> x(X, K);
     float acc[TILES][NT][4] = {};
 #pragma unroll
@@ -265,8 +286,8 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         for (int i = 0; i < TILES; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int j = 16 * i + 8 * r + g;
-                blk[i][r] = stage + j * F::RUN_BYTES + (reinterpret_cast<size_t>(row(j) + (size_t)s * F::BLOCK_BYTES) & 15);
+                const int offset = F::ALIGNED ? 0 : (reinterpret_cast<size_t>(lane_rows[i][r]) + (size_t)s * F::BLOCK_BYTES) & 15;
+                blk[i][r] = stage + (16 * i + 8 * r + g) * F::RUN_BYTES + offset;
             }
         F::template superblock<TILES, NT>(blk, (size_t)s * 256, x, acc);
     }
