@@ -1,11 +1,12 @@
 // qgemm_tc.cuh: Y = X W^T for Q4_K or Q6_K weights W [N, K] as the GGUF file stores them and fp16 activations
 // X [M, K], on fp16 tensor cores (mma.sync m16n8k16, fp32 accumulators): one kernel for every M, the decode GEMV
 // (M = 1) and the GEMM of a tree verify alike, batch-invariant (a token's outputs do not depend on M or on its place
-// in a tile), so that a verify row equals the decode row by construction. docs/design.md, "Session 9", has the design.
+// in a tile), so that a verify row equals the decode row by construction. docs/design.md, "Session 9", has the design,
+// "Session 10" what it measured.
 //
 // The weights are the mma's A operand (16 rows a tile) and the tokens its B (8 a tile), so an mma does useful work
-// for up to 8 tokens and the decode GEMV wastes only B's columns. A block of WARPS warps computes 16 output rows for
-// NT x 8 tokens; warp w takes a contiguous share of the K / 256 super-blocks, and the warps' partial sums are added
+// for up to 8 tokens and the decode GEMV wastes only B's columns. A block of WARPS warps computes TILES x 16 output
+// rows for NT x 8 tokens; warp w takes a contiguous share of the K / 256 super-blocks, and the warps' partial sums are added
 // in warp order. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the A tile: 4 values of one scale
 // group each an mma, dequantised in registers (TcQ4K, TcQ6K below say which). An mma's 16 k slots hold the group's
 // values out of order: lane t's slots 2t, 2t+1 hold its values 0 and 2 (bytes 0 and 2 of a word), slots 2t+8, 2t+9
@@ -226,7 +227,7 @@ struct TcQ6K {
 //
 // Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; a
 // block's run of 16-byte words, the block at its offset in the first), STAGES - 1 super-blocks ahead of the one it
-// multiplies. Dynamic shared memory: qgemm_tc_smem(WARPS, STAGES, TILES, NT, F::RUN_BYTES) bytes.
+// multiplies. Dynamic shared memory: kernels/qgemm_tc.py's smem_bytes.
 template <class F, int NT, int TILES, int WARPS, int STAGES>
 __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X,
                          const float* __restrict__ S, float* __restrict__ Y, int M, int N, int K) {
