@@ -6,12 +6,12 @@
 //
 // The weights are the mma's A operand (16 rows a tile) and the tokens its B (8 a tile), so an mma does useful work
 // for up to 8 tokens and the decode GEMV wastes only B's columns. A block of WARPS warps computes TILES x 16 output
-// rows for NT x 8 tokens; warp w takes a contiguous share of the K / 256 super-blocks, and the warps' partial sums are added
-// in warp order. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the A tile: 4 values of one scale
-// group each an mma, dequantised in registers (TcQ4K, TcQ6K below say which). An mma's 16 k slots hold the group's
-// values out of order: lane t's slots 2t, 2t+1 hold its values 0 and 2 (bytes 0 and 2 of a word), slots 2t+8, 2t+9
-// its values 1 and 3. B takes the activations in the same order: qgemm_tc_x16 stores each 4 fp16 of X as e0 e2 e1
-// e3, so that a uint2 of token g's row is lane (g, t)'s B fragment as it is.
+// rows for NT x 8 tokens; warp w takes a contiguous share of the K / 256 super-blocks, and the warps' partial sums
+// are added in warp order. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the A tile: 4 values of one
+// scale group each an mma, dequantised in registers (TcQ4K, TcQ6K below say which). An mma's 16 k slots hold the
+// group's values out of order: lane t's slots 2t, 2t+1 hold its values 0 and 2 (bytes 0 and 2 of a word), slots
+// 2t+8, 2t+9 its values 1 and 3. B takes the activations in the same order: qgemm_tc_x16 stores each 4 fp16 of X as
+// e0 e2 e1 e3, so that a uint2 of token g's row is lane (g, t)'s B fragment as it is.
 //
 // Dequantisation (as Marlin does it): (q | 0x6400) is the fp16 1024 + q; the 1024 (and Q6_K's offset 32) come off
 // exactly, then one HFMA2 (HMUL2) rounds the weight once. (Folding the 1024 into the bias would round away half a
@@ -113,7 +113,8 @@ struct TcQ4K {
             for (int r = 0; r < 2; ++r) {
                 const uint4 h = *reinterpret_cast<const uint4*>(blk[i][r]);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) qs[i][r][c] = *reinterpret_cast<const uint2*>(blk[i][r] + 16 + 32 * c + 8 * t);
+                for (int c = 0; c < 4; ++c)
+                    qs[i][r][c] = *reinterpret_cast<const uint2*>(blk[i][r] + 16 + 32 * c + 8 * t);
                 own[i][r][0] = scale_bias(2 * t, h), own[i][r][1] = scale_bias(2 * t + 1, h);
             }
 #pragma unroll
@@ -210,7 +211,8 @@ struct TcQ6K {
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {  // bytes e and e + 2 under the fp16 exponent of 1024
                                 const unsigned h = __byte_perm(q, 0x64646464u, e ? 0x4341 : 0x4240);
-                                const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
+                                const __half2 v =
+                                    __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
                                 a[tile][2 * e + r] = *reinterpret_cast<const unsigned*>(&v);
                             }
                         }
@@ -287,7 +289,8 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         for (int i = 0; i < TILES; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int offset = F::ALIGNED ? 0 : (reinterpret_cast<size_t>(lane_rows[i][r]) + (size_t)s * F::BLOCK_BYTES) & 15;
+                const size_t at = reinterpret_cast<size_t>(lane_rows[i][r]) + (size_t)s * F::BLOCK_BYTES;
+                const int offset = F::ALIGNED ? 0 : at & 15;
                 blk[i][r] = stage + (16 * i + 8 * r + g) * F::RUN_BYTES + offset;
             }
         F::template superblock<TILES, NT>(blk, (size_t)s * 256, x, acc);

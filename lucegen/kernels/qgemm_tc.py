@@ -2,11 +2,12 @@
 launcher. Q4_K and Q6_K (the formats of a Q4_K_M file's matrices).
 
 Y [M, N] fp32 = X [M, K] W^T for rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16 in
-registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X's rows in fp16 (each scaled by a power
-of two into fp16's range first, and the product's row scaled back: x_fp16), with fp32 sums on tensor cores. The decode GEMV (M = 1) and the GEMM of a tree verify are the same kernel; a token's outputs are the
-same bits whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asserts it), so greedy verification
-needs no second kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the
-tensor core's, so the numpy reference is within a tolerance, not bit for bit.
+registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X's rows in fp16 (each scaled by a
+power of two into fp16's range first, and the product's row scaled back: x_fp16), with fp32 sums on tensor cores.
+The decode GEMV (M = 1) and the GEMM of a tree verify are the same kernel; a token's outputs are the same bits
+whatever M and its row in a tile (tests/gpu/test_qgemm_tc_gpu.py asserts it), so greedy verification needs no second
+kernel kept bit-equal to the first (qgemv.py's GEMV and GEMM). The sums' order inside an mma is the tensor core's,
+so the numpy reference is within a tolerance, not bit for bit.
 
 Status (session 10, H200): correct against numpy and batch-invariant (tests/gpu/test_qgemm_tc_gpu.py), and with
 tuning.qgemv.tensor_core_formats on, the 27B's greedy speculation equals plain greedy decoding. Off in every spec:
@@ -130,8 +131,8 @@ def units(spec: ChipSpec) -> list[KernelUnit]:
 
 class QGemmTC:
     """y [m, n] fp32 = x [m, k] fp32 . w^T for rows w of a format: x's rows to fp16 (x_fp16) into buffers of its own,
-    then the product, at most MAX_ROWS_A_LAUNCH rows a launch. Called as qgemv.QMatmul is (the layered step's projections
-    take either): it makes no XBlocks (xq), and ignores any it is given."""
+    then the product, at most MAX_ROWS_A_LAUNCH rows a launch. Called as qgemv.QMatmul is (the layered step's
+    projections take either): it makes no XBlocks (xq), and ignores any it is given."""
 
     xq = None
 

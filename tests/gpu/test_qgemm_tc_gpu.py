@@ -1,5 +1,5 @@
-"""The tensor-core GEMM (lucegen/kernels/qgemm_tc.py, Q4_K and Q6_K) on the GPU: against its numpy reference on fresh inputs,
-and batch-invariant: a token's outputs are the same bits whatever M and its row in the launch.
+"""The tensor-core GEMM (lucegen/kernels/qgemm_tc.py, Q4_K and Q6_K) on the GPU: against its numpy reference on fresh
+inputs, and batch-invariant: a token's outputs are the same bits whatever M and its row in the launch.
 
 Tolerance 1e-4 (relative, ||out - ref|| / ||ref||): the reference takes the kernel's fp16 operands exactly and sums
 in float64; what is left is the order and width of the tensor core's fp32 sums (~1e-6). A wrong nibble, slot,
