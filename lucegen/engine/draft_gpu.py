@@ -298,7 +298,6 @@ class GpuDraft:
             if a is not None:
                 a.free()
         for op in self.mm.values():
-            if op.xq is not None:
-                op.xq.free()
+            op.free()
         if self.own_stream:
             self.stream.destroy()

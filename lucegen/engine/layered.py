@@ -289,6 +289,8 @@ class LayeredStep:
                   self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq, self.features):
             if a is not None:
                 a.free()
+        for op in self.mm.values():  # their scratch: quantized or fp16 activations
+            op.free()
         self.tree.free()
         self.stream.destroy()
 

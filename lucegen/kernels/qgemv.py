@@ -410,6 +410,10 @@ class QMatmul:
     def tuning_for(self, m: int) -> Tuning:
         return for_rows(self.tunings, m, self.mma_from)
 
+    def free(self) -> None:
+        if self.xq is not None:
+            self.xq.free()
+
 
 class Dequant:
     """out [N, K] fp32 = the values of N rows of K (a kernel around qdequant<F>: a format's decode alone), e.g.
