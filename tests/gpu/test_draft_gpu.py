@@ -12,10 +12,14 @@ Tolerances (relative error ||out - ref|| / ||ref||):
   FORWARD_RTOL 1e-4 a whole forward against draft_forward run on the device's own weight values (bf16-rounded
                     matrices, fp32 vectors) multiplying bf16-rounded activations, as the tensor-core GEMM does
                     (host_layered.bf16_activations), so neither is a source of error: the host emulation
-                    (tests/test_draft_gpu_host.py) lands below 1e-5; the GPU adds fast-math rounding in 5 layers of
-                    norms and softmax, each ~1e-6 relative, and fp32 sums in another order, which now and then put an
-                    activation on the other side of a bf16 rounding (2^-8 of that element). Not yet measured on a
-                    GPU with the bf16 activations (session 10 wrote them without one)
+                    (tests/test_draft_gpu_host.py) lands below 1e-5 on the tiny draft; the GPU adds fast-math rounding
+                    in 5 layers of norms and softmax, each ~1e-6 relative, and fp32 sums in another order.
+  bf16 flips:       once any of those puts one activation on the other side of a bf16 rounding (2^-8 of it), the
+                    difference reaches the next layers' roundings and flips a share of them too, so two correct
+                    forwards can differ by up to the bf16 rounding's own effect: measured, 1.2e-3 .. 3.3e-3 on the
+                    H200 (session 11), and the host emulation itself 1.5e-3 on some head layouts (32 q heads to 2 kv),
+                    against a distance of ~3e-3 between the references with bf16 and with fp32 activations. The bound
+                    is 2.5 x that distance (the E2E margin of the prefill tests), and FORWARD_RTOL at least
   bf16 weights:     against draft_forward on the fp32 weights and fp32 activations, the bound is 2.5 x (E2E margin
                     of the prefill tests) the distance the bf16 rounding of both alone makes between the two
                     references (an entry moves by up to 2^-9 of itself), and FORWARD_RTOL at least
@@ -226,8 +230,10 @@ def small(request):
 
 def check_forward(got, draft_w, target_w, cfg, target, feats, token, positions=None, fp32=None) -> None:
     want = draft_forward(bf16_activations(draft_w), target_w, cfg, target, feats, block(cfg, token), positions)[1:]
-    err = rel_err(got, want)
-    assert err < FORWARD_RTOL, f"relative error {err:.2e} against the reference on the device's weights"
+    fp32_activations = draft_forward(draft_w, target_w, cfg, target, feats, block(cfg, token), positions)[1:]
+    err, flips = rel_err(got, want), 2.5 * relative_error(want, fp32_activations)
+    assert err < max(FORWARD_RTOL, flips), f"relative error {err:.2e} against the reference on the device's weights" \
+        f" (bf16 flips' bound {flips:.2e})"
     if fp32 is not None:  # the same against the fp32 weights: within what bf16 rounding alone makes
         fp32_d, fp32_t = fp32
         exact = draft_forward(fp32_d, fp32_t, cfg, target, feats, block(cfg, token), positions)[1:]
@@ -304,7 +310,7 @@ def test_the_real_27b_draft_shape(root):
     """The 27B draft (5 layers, hidden 5120, fc 25600 -> 5120, 32 q / 8 kv heads of 128, intermediate 17408, block
     16) with random bf16 weights, a bf16 embedding and LM head of the 27B's vocabulary (248,320), 1500 context
     tokens (47 key chunks: the attention split over most of the kv heads' blocks): the reference on the device's
-    weights within FORWARD_RTOL, twice the same bits. ~15 GB of host memory for the fp32 reference weights."""
+    weights within check_forward's bound, twice the same bits. ~15 GB of host memory for the fp32 reference weights."""
     target = load_config("qwen3.5-27b")
     cfg = DraftConfig.from_json(DRAFT_JSON)
     V, H = target.vocab_size, cfg.hidden_size
