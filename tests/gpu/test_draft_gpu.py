@@ -299,8 +299,8 @@ def test_a_quantized_embedding_and_lm_head(small, root):
     for name, fmt in QuantizedSource.FORMATS.items():
         ref[name] = dequantize(qgemv.encode(target_w[name], fmt), getattr(GGMLType, fmt.upper()))
     plain = draft_forward(bf16_activations(draft_w), ref, cfg, target, feats[:40], block(cfg, 17))[1:]
-    emulated = draft_forward(bf16_activations(draft_w), {**ref, "lm_head.weight": ActivationQuantized(ref["lm_head.weight"])}, cfg,
-                             target, feats[:40], block(cfg, 17))[1:]
+    quantized_head = {**ref, "lm_head.weight": ActivationQuantized(ref["lm_head.weight"])}
+    emulated = draft_forward(bf16_activations(draft_w), quantized_head, cfg, target, feats[:40], block(cfg, 17))[1:]
     assert rel_err(got, plain) < max(FORWARD_RTOL, 2.5 * relative_error(emulated, plain))
     d.free()
     weights.free()
