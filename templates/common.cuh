@@ -125,6 +125,13 @@ struct GlobalQuads {
 __device__ __forceinline__ float4 load_coherent(const float4* p) { return __ldcg(p); }
 __device__ __forceinline__ float load_coherent(const float* p) { return __ldcg(p); }
 
+// Four fp32 values rounded to bf16 (to nearest) at y, 8-byte aligned.
+__device__ __forceinline__ void store_bf16x4(bf16* y, float4 v) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    *reinterpret_cast<uint2*>(y) = make_uint2(*reinterpret_cast<const unsigned*>(&lo),
+                                              *reinterpret_cast<const unsigned*>(&hi));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

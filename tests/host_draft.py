@@ -20,7 +20,6 @@ from lucegen.engine.generate import generate
 from lucegen.engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from lucegen.engine.sampling import Sampler, SamplingParams
 from lucegen.kernels import draft, topk
-from lucegen.kernels.layered import silu_mul_reference
 from lucegen.model.draft import load_draft
 from lucegen.model.tokenizer import Tokenizer
 from lucegen.model.weights import open_weights
@@ -28,9 +27,9 @@ from lucegen.reference import relative_error
 from lucegen.reference.dflash import dflash_draft_fn
 from lucegen.spec_decode import Speculation
 
-from host_kernels import on_host, rows_of, store
-from host_layered import (HostGraph, HostStream, LayeredHostKernel, _array, after, layered_on_host, plain_greedy,
-                          write_xblocks)
+from host_kernels import on_host, rows_of, run_gemm, store
+from host_layered import (HostGraph, HostStream, LayeredHostKernel, _array, after, bf16_activations, layered_on_host,
+                          plain_greedy, write_xblocks)
 
 STEP_RTOL = 1e-2  # the step's bf16 K/V cache against the reference's fp32 one (tests/gpu/test_layered_gpu.py)
 # the log-prob gap (nats) between the reference draft's best and second token past which the GPU draft's best may
@@ -40,30 +39,37 @@ MARGIN = 0.1
 
 
 class DraftHostKernel(LayeredHostKernel):
-    """The draft family's kernels by their numpy references; the others as tests/host_layered.py runs them."""
+    """The draft family's kernels by their numpy references, the GEMM's as tests/host_kernels.py runs them (the spec's
+    method must be mma: tensor maps do not reach the host), the others as tests/host_layered.py runs them."""
+    gemm_launches = 0  # the split-K blocks' order of each launch is drawn from this count
 
     def __init__(self, cfg, name: str, unit: str, draft_cfg):
         super().__init__(cfg, name, unit)
         self.draft = draft_cfg
 
     def run(self, grid, args) -> None:
+        if self.name.startswith("gemm_"):  # the draft's projections
+            DraftHostKernel.gemm_launches += 1
+            return run_gemm(self.name, grid, args, DraftHostKernel.gemm_launches)
         if not self.name.startswith("draft_"):
             return super().run(grid, args)
         d, name = self.draft, self.name
-        H, I, B = d.hidden_size, d.intermediate_size, d.block_size
+        H, B = d.hidden_size, d.block_size
         nh, nkv, hd, L = d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.num_hidden_layers
         rows = nh // nkv * B
         if name == "draft_rmsnorm":
-            x, y, w, x_out, h, xq = args
+            x, y, w, x_out, h, xq, h16 = args
             m = grid[0]
             x1, h1 = draft.rmsnorm_reference(rows_of(x, m, H), None if _array(y) is None else rows_of(y, m, H), w.a,
                                              d.rms_norm_eps)
             store(rows_of(x_out, m, H), x1)
             store(rows_of(h, m, H), h1)
             write_xblocks(xq, rows_of(h, m, H))
-        elif name == "draft_silu_mul":
-            gate_up, act = args
-            store(rows_of(act, grid[0], I), silu_mul_reference(rows_of(gate_up, grid[0], 2 * I)))
+            if _array(h16) is not None:
+                store(rows_of(h16, m, H), h1)
+        elif name == "draft_to_bf16":
+            x, y, n = args
+            store(y.a.reshape(-1)[:n], x.a.reshape(-1)[:n])
         elif name == "draft_block_qkv":
             qkv, q_norm, k_norm, io, q, k, v = args
             assert grid[0] == B
@@ -197,7 +203,8 @@ def assert_gpu_draft_speculation(engine, cfg, draft_weights, reference_weights, 
         assert speculative_greedy(engine, prompt, n, decode_every=3) == plain_greedy(engine, prompt, n)
     engine.speculation = None
     assert_drafts_as_the_reference(recording.calls[::4],
-                                   dflash_draft_fn(draft_weights, reference_weights, cfg, engine.config))
+                                   dflash_draft_fn(bf16_activations(draft_weights), reference_weights, cfg,
+                                                   engine.config))
 
 
 def assert_the_trained_pair_accepts(make_engine, prompts: int = 3, tokens: int = 24) -> None:
@@ -228,4 +235,5 @@ def assert_the_trained_pair_accepts(make_engine, prompts: int = 3, tokens: int =
     engine.free()
     assert emitted / passes > GUESSING, f"{emitted / passes:.2f} tokens a target pass"
     reference = {k: np.asarray(v, np.float32) for k, v in target.load_all(progress=False).items()}
-    assert_drafts_as_the_reference(recording.calls[::3], dflash_draft_fn(weights, reference, cfg, target.config))
+    assert_drafts_as_the_reference(recording.calls[::3],
+                                   dflash_draft_fn(bf16_activations(weights), reference, cfg, target.config))

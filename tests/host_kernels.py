@@ -137,6 +137,20 @@ def order_sensitive_gemm(m: int, n: int, k: int, splits: int, seed: int):
     return x, w, (8 * rng.standard_normal((m, n))).astype(np.float32)
 
 
+def run_gemm(name: str, grid, args, seed: int) -> None:
+    """A launch of a kernels/gemm.py kernel (its arrays, not tensor maps: the mma method) by gemm.reference; a split-K
+    `add` block by block in an order drawn from seed, as a GPU may finish them."""
+    X, W, Y, M, N, K, *workspace = args
+    bm, bn, epilogue = gemm_kernel_config(name)
+    y = rows_of(Y, M, N // 2 if epilogue == "silu" else N)
+    x, w = rows_of(X, M, K), W.a.reshape(N, K)
+    if epilogue == gemm.SPLIT_ADD:
+        blocks = np.random.default_rng(seed).permutation(grid[0])
+        split_add(x, w, y, bm, bn, grid[0] // gemm_tiles(M, N, bm, bn), *(a.a for a in workspace), blocks)
+    else:
+        store(y, gemm.reference(x, w, epilogue, y.astype(np.float32)))
+
+
 class HostKernel:
     """A kernel by name; its launch runs the family's numpy reference on the launch's arguments."""
 
@@ -150,16 +164,8 @@ class HostKernel:
         c, name = self.module.cfg, self.name
         grid = (grid,) if isinstance(grid, int) else grid
         if name.startswith("gemm_"):
-            X, W, Y, M, N, K, *workspace = args
-            bm, bn, epilogue = gemm_kernel_config(name)
-            y = rows_of(Y, M, N // 2 if epilogue == "silu" else N)
-            x, w = rows_of(X, M, K), W.a.reshape(N, K)
-            if epilogue == gemm.SPLIT_ADD:  # the blocks in an order of their own, as a GPU may finish them
-                blocks = np.random.default_rng(self.module.launches).permutation(grid[0])
-                self.module.launches += 1
-                split_add(x, w, y, bm, bn, grid[0] // gemm_tiles(M, N, bm, bn), *(a.a for a in workspace), blocks)
-            else:
-                store(y, gemm.reference(x, w, epilogue, y.astype(np.float32)))
+            run_gemm(name, grid, args, self.module.launches)
+            self.module.launches += 1
         elif name.startswith("embed_h"):
             ids, table, x = args
             store(rows_of(x, grid[0], c.hidden_size), rows.embed_reference(table.a, ids.a[:grid[0]]))

@@ -11,11 +11,12 @@ import contextlib
 import re
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
 import lucegen.engine.layered as layered_mod
-from lucegen.kernels import layered, qgemv, tree
+from lucegen.kernels import gemm, layered, qgemv, tree
 from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.kernels.qgemv import fmt_of
 from lucegen.model.checkpoint import make_checkpoint
@@ -264,6 +265,29 @@ class ActivationQuantized:
         q, dx, _ = qgemv.quantize_x(rows)
         xq = (q.reshape(len(rows), -1, 32) * dx[..., None].astype(np.float64)).reshape(rows.shape)
         return (xq @ self.w.T.astype(np.float64)).astype(np.float32).reshape(*x.shape[:-1], -1)
+
+
+class ActivationBf16:
+    """A weight matrix W for the reference's `x @ W.T`, multiplied as the tensor-core GEMM does: x rounded to bf16
+    times W rounded to bf16, as kernels/gemm.py's reference sums them (fp32), so that the host emulation's next
+    rounding to bf16 falls on the same side as the reference's."""
+    __array_ufunc__ = None
+
+    def __init__(self, w: np.ndarray):
+        self.w = np.asarray(w, np.float32).astype(ml_dtypes.bfloat16)
+
+    @property
+    def T(self) -> "ActivationBf16":
+        return self
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return gemm.reference(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16), self.w, "f32")
+
+
+def bf16_activations(draft_weights: dict) -> dict:
+    """A DFlash draft's weights for the reference as lucegen.engine.draft_gpu multiplies them: every matrix an
+    ActivationBf16, the vectors as they are."""
+    return {k: ActivationBf16(v) if np.ndim(v) == 2 else v for k, v in draft_weights.items()}
 
 
 UNQUANTIZED = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}

@@ -2,7 +2,7 @@
 (tests/host_kernels.py), every kernel launch replaced by its family's numpy reference applied to exactly the
 kernel's arguments (the draft family's here, the layered and qgemv ones from tests/host_layered.py), the CUDA graph
 by its recorded launches. Checked against lucegen.reference.dflash.draft_forward on the same (bf16-rounded)
-weights, so weights are no source of error: what is left is fp32 against float64 sums and the RoPE scale folded
+weights multiplying bf16-rounded activations (host_layered.bf16_activations), so neither is a source of error: what is left is fp32 against float64 sums and the RoPE scale folded
 into the queries, < 1e-5 relative; a wrong index, position, ring slot, head order or split is off by O(0.1..1).
 
 Also: the draft family's numpy references (block q/k norm + RoPE, context K/V rows into a ring, the split
@@ -30,9 +30,10 @@ from lucegen.reference.ops import rope_cos_sin
 from lucegen.spec import list_specs, load_spec
 
 from host_draft import draft_on_host
-from host_layered import ActivationQuantized, QuantizedSource
+from host_layered import ActivationQuantized, QuantizedSource, bf16_activations
 
 RTOL = 1e-5
+HOST_SPEC = load_spec("h200").with_prefill(gemm="mma")  # the GEMM's arrays, not TMA descriptors, reach the host
 TARGET = tiny_config()
 DRAFT = tiny_draft_config(TARGET)
 
@@ -69,7 +70,7 @@ def tiny():
 
 def make_draft(target_w, draft_w, target_cfg=TARGET, draft_cfg=DRAFT, source=None, **kw):
     weights = LayeredWeights(source or Source(target_w, target_cfg))
-    return GpuDraft(load_spec("h200"), draft_cfg, draft_w, weights, target_cfg, **{"max_context": 256, **kw})
+    return GpuDraft(HOST_SPEC, draft_cfg, draft_w, weights, target_cfg, **{"max_context": 256, **kw})
 
 
 def test_the_forward_is_the_reference_draft_forward(host, tiny):
@@ -84,7 +85,7 @@ def test_the_forward_is_the_reference_draft_forward(host, tiny):
         if T > d.length:
             d.append_context(feats[d.length:T], np.arange(d.length, T))
         got = d.forward(token, T).numpy()
-        want = draft_forward(draft_w, target_w, DRAFT, TARGET, feats[:T], block(DRAFT, token))[1:]
+        want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[:T], block(DRAFT, token))[1:]
         assert got.shape == (DRAFT.block_size - 1, TARGET.vocab_size)
         err = relative_error(got, want)
         assert err < RTOL, f"context {T}: relative error {err:.2e}"
@@ -101,7 +102,7 @@ def test_features_on_the_device_and_a_reset(host, tiny):
     from lucegen.runtime import DeviceArray
     d.append_context(DeviceArray.from_numpy(feats[20:31]), 0)  # a new sequence: its own features at 0 ..
     got = d.forward(5, 11).numpy()
-    want = draft_forward(draft_w, target_w, DRAFT, TARGET, feats[20:31], block(DRAFT, 5))[1:]
+    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[20:31], block(DRAFT, 5))[1:]
     assert relative_error(got, want) < RTOL
 
 
@@ -115,9 +116,9 @@ def test_past_the_window_the_draft_attends_the_last_window_tokens(host, tiny):
     assert d.n_ctx == 8
     got = d.forward(9, 21).numpy()
     positions = [*range(13, 21), *range(21, 21 + DRAFT.block_size)]
-    want = draft_forward(draft_w, target_w, DRAFT, TARGET, feats[13:21], block(DRAFT, 9), positions)[1:]
+    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[13:21], block(DRAFT, 9), positions)[1:]
     assert relative_error(got, want) < RTOL
-    full = draft_forward(draft_w, target_w, DRAFT, TARGET, feats[:21], block(DRAFT, 9))[1:]
+    full = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[:21], block(DRAFT, 9))[1:]
     assert relative_error(got, full) > 1e-3  # the approximation is real: the dropped rows mattered
     assert make_draft(target_w, draft_w).window == min(256, load_spec("h200").tuning.draft.window)
     assert make_draft(target_w, draft_w, max_context=100).window == 100
@@ -142,9 +143,9 @@ def test_a_quantized_embedding_and_lm_head_as_the_target_loaded_them(host):
     ref = dict(target_w)
     for name, fmt in QuantizedSource.FORMATS.items():
         ref[name] = dequantize(qgemv.encode(target_w[name], fmt), getattr(GGMLType, fmt.upper()))
-    plain = draft_forward(draft_w, ref, dcfg, target, feats, block(dcfg, 17))[1:]
+    plain = draft_forward(bf16_activations(draft_w), ref, dcfg, target, feats, block(dcfg, 17))[1:]
     emulated_ref = {**ref, "lm_head.weight": ActivationQuantized(ref["lm_head.weight"])}
-    emulated = draft_forward(draft_w, emulated_ref, dcfg, target, feats, block(dcfg, 17))[1:]
+    emulated = draft_forward(bf16_activations(draft_w), emulated_ref, dcfg, target, feats, block(dcfg, 17))[1:]
     bound = max(RTOL, 2.5 * relative_error(emulated, plain))
     assert relative_error(got, plain) < bound
     assert relative_error(got, emulated) < 1e-3  # an 8-bit step may flip where h differs in its last bits
@@ -241,6 +242,12 @@ def test_small_draft_units_compile_for_every_spec(tmp_path, spec_name):
         for k in result.kernels:
             assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
             assert k.coresident_blocks >= 1
+
+
+def test_a_draft_whose_widths_the_gemm_cannot_take_is_refused_naming_them():
+    bad = tiny_draft_config(TARGET, intermediate_size=96)
+    assert "intermediate 96" in draft.shape_problem(load_spec("h200"), bad)
+    assert draft.shape_problem(load_spec("h200"), DRAFT) is None
 
 
 def test_bundled_drafts_are_the_default_units():

@@ -30,10 +30,10 @@ from lucegen.spec import load_spec
 from lucegen.spec_decode.tree import ancestry
 from host_draft import (STEP_RTOL, assert_gpu_draft_speculation, assert_the_trained_pair_accepts,
                         layered_draft_on_host)
-from host_layered import after, tree_case, trees
+from host_layered import after, bf16_activations, tree_case, trees
 
 CFG = tiny_config()
-SPEC = load_spec("h200")
+SPEC = load_spec("h200").with_prefill(gemm="mma")  # the draft's GEMMs pass arrays, not TMA descriptors, to the host
 # the last layer among them: its feature is the final norm's output (HF's last hidden state)
 DRAFT = tiny_draft_config(CFG, target_layer_ids=(0, 2, CFG.num_hidden_layers - 1))
 
@@ -161,7 +161,7 @@ def test_the_draft_holds_the_committed_sequence(engine):
     n = DRAFT.block_size - 1
     top = draft([*sequence, root], n)
     logits = draft.draft.logits.numpy()[:n]
-    want = draft_forward(DRAFT_WEIGHTS, WEIGHTS, DRAFT, CFG, committed_features(engine, sequence),
+    want = draft_forward(bf16_activations(DRAFT_WEIGHTS), WEIGHTS, DRAFT, CFG, committed_features(engine, sequence),
                          [root] + [DRAFT.mask_token_id] * n)[1:]
     assert relative_error(logits, want) < DRAFT_RTOL
     ids, lps = topk.reference(logits, draft.k)

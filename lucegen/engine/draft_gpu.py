@@ -1,8 +1,10 @@
 """The DFlash draft's forward on the GPU (issue #7): bf16 draft matrices, fp32 activations and sums, the target's
 embedding and LM head as the target loaded them (lucegen/engine/layered_weights.py: GGUF bytes or bf16, never
-converted). The math is lucegen/reference/dflash.py's draft_forward; the kernels are qgemv's projections, the
-layered family's embedding gather (and column placement), and the draft family's row kernels and attention
-(lucegen/kernels/draft.py, templates/draft.cuh).
+converted). The math is lucegen/reference/dflash.py's draft_forward, every draft matrix multiplying bf16 activations;
+the kernels are the tensor-core GEMM of the prefill (kernels/gemm.py: bf16 x bf16, fp32 sums, into fp32 rows, added
+into the residual stream, or SiLU x up into bf16), qgemv's for the target's LM head, the layered family's embedding
+gather (and column placement), and the draft family's row kernels and attention (lucegen/kernels/draft.py,
+templates/draft.cuh).
 
 Context (append_context): each committed token's fused feature C = hidden_norm(fc(its 5 target hidden states)) is
 made once, and from it, per draft layer, its context K/V row (k_norm + RoPE at the token's position, v): one fused
@@ -22,10 +24,10 @@ forward(last_token, position): the block [last_token, mask, ..., mask] at positi
 (position: where last_token sits, normally the number of committed tokens) through the draft's layers, then the
 draft's final norm and the target's LM head for block rows 1 .. B - 1:
     x = embed(block)                                                (the target's table, its format)
-    per layer:  h = norm(x (+= y))
+    per layer:  h = norm(x) (and in bf16)
                 qkv = h [q | k | v]^T -> block_qkv (q_norm, k_norm, RoPE) -> attention over ring + block -> merge
-                y = . o^T;  h = norm(x += y);  gu = h [gate | up]^T;  y = silu(gate) up down^T
-    h = norm(x += y) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:] lm_head^T
+                x += bf16(.) o^T;  h = norm(x);  act = silu(h gate^T) (h up^T) in bf16;  x += act down^T
+    h = norm(x) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:] lm_head^T
 One CUDA graph (captured on the first forward) replays it: position, token and context length are read from the
 device (io = [position, block ids..., context rows]), so a forward is one small copy and one graph launch. The
 logits stay on the device, fp32 [B - 1, vocab], valid once the draft's stream is done (wait(), or later launches
@@ -37,25 +39,28 @@ import dataclasses
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
 from ..kernels import draft as draft_kernels
-from ..kernels import layered, qgemv
+from ..kernels import gemm, layered, qgemv
 from ..model.config import ModelConfig
 from ..model.draft_config import DraftConfig
-from ..model.quants import GGMLType, quantize
 from ..runtime import DeviceArray, Graph, Stream
 from ..spec import ChipSpec
-from .layered_weights import Part, Projection, fuse
+from .layered_weights import Projection
 
 DEFAULT_CHUNK = 64  # context rows per append pass (the scratch for features and K/V rows is sized by it)
+BF16 = ml_dtypes.bfloat16
 
 
-def bf16_projection(matrices: Sequence[np.ndarray]) -> Projection:
-    """fp32 matrices stacked row-wise as one bf16 Projection (qgemv's bf16 rows)."""
-    runs, n, k = fuse([("bf16", quantize(np.asarray(w, np.float32), GGMLType.BF16)) for w in matrices])
-    return Projection([Part(fmt, qgemv.device_weights(rows), rows.shape[0], col) for fmt, rows, col in runs], n, k)
+def bf16_rows(matrices: Sequence[np.ndarray], interleave: bool = False) -> DeviceArray:
+    """fp32 matrices [n_i, K] stacked row-wise as one bf16 [sum n_i, K] matrix on the device; interleave: two
+    matrices' rows alternating (gate_proj row i at 2i, up_proj's at 2i + 1: the GEMM's SiLU epilogue's pairing)."""
+    w = np.stack(matrices, axis=1) if interleave else np.concatenate(matrices)
+    return DeviceArray.from_numpy(np.ascontiguousarray(np.asarray(w, np.float32).reshape(-1, w.shape[-1])
+                                                       .astype(BF16)))
 
 
 def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
@@ -89,14 +94,14 @@ class GpuDraft:
         H, I = cfg.hidden_size, cfg.intermediate_size
         nh, hd = cfg.num_attention_heads, cfg.head_dim
         embed_fmt = target.embed.parts[0].fmt
-        pairs = {("bf16", H), ("bf16", cfg.fc_in), ("bf16", nh * hd), ("bf16", I),
-                 *((p.fmt, target.lm_head.k) for p in target.lm_head.parts)}
+        pairs = {(p.fmt, target.lm_head.k) for p in target.lm_head.parts}  # the LM head's: qgemv
         units = [*layered.units(spec, target_cfg, [embed_fmt]), *draft_kernels.units(spec, target_cfg, cfg),
-                 *qgemv.units(spec, target_cfg, sorted(pairs))]
+                 *qgemv.units(spec, target_cfg, sorted(pairs)), *gemm.units(spec)]
         # a folder of its own: the target's step builds qgemv units of the same names for its own K
         result = build(spec, dataclasses.replace(target_cfg, name=f"{target_cfg.name}-dflash"), units, root=root)
         self.rows_kernels = layered.LayerKernels(result.module(layered.unit_name(embed_fmt)), spec, target_cfg)
         self.kernels = draft_kernels.DraftKernels(result.module(draft_kernels.UNIT), spec, cfg)
+        self.gemm = gemm.Gemm(result.module("prefill_gemm"), spec)
         qmods, self.mm = {}, {}
         for fmt, k in sorted(pairs):
             qmods.setdefault(fmt, result.module(f"qgemv_{fmt}"))
@@ -111,23 +116,23 @@ class GpuDraft:
     def _upload(self, w: Mapping[str, np.ndarray]) -> None:
         cfg = self.cfg
         vec = lambda name: DeviceArray.from_numpy(np.ascontiguousarray(w[name], np.float32))
-        self.fc = bf16_projection([w["fc.weight"]])
+        self.fc = bf16_rows([w["fc.weight"]])
         self.hidden_norm, self.final_norm = vec("hidden_norm.weight"), vec("norm.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append({
-                "qkv": bf16_projection([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                "o": bf16_projection([w[a + "o_proj.weight"]]),
-                "gate_up": bf16_projection([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
-                "down": bf16_projection([w[m + "down_proj.weight"]]),
+                "qkv": bf16_rows([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                "o": bf16_rows([w[a + "o_proj.weight"]]),
+                "gate_up": bf16_rows([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], interleave=True),
+                "down": bf16_rows([w[m + "down_proj.weight"]]),
                 "ln1": vec(p + "input_layernorm.weight"), "ln2": vec(p + "post_attention_layernorm.weight"),
                 "q_norm": vec(a + "q_norm.weight"), "k_norm": vec(a + "k_norm.weight")})
         # every layer's context K/V from C in one projection: rows [k_0 | v_0 | k_1 | v_1 | ...] (the block's own
         # k/v rows multiply h through each layer's qkv: the same bf16 rows, held twice)
-        self.ctx_kv = bf16_projection([w[f"layers.{i}.self_attn.{n}_proj.weight"]
-                                       for i in range(cfg.num_hidden_layers) for n in ("k", "v")])
+        self.ctx_kv = bf16_rows([w[f"layers.{i}.self_attn.{n}_proj.weight"]
+                                 for i in range(cfg.num_hidden_layers) for n in ("k", "v")])
         self.k_norms = DeviceArray.from_numpy(np.ascontiguousarray(np.stack(
             [w[f"layers.{i}.self_attn.k_norm.weight"] for i in range(cfg.num_hidden_layers)]), np.float32))
 
@@ -136,15 +141,16 @@ class GpuDraft:
         H, I, B, V = cfg.hidden_size, cfg.intermediate_size, cfg.block_size, self.target_cfg.vocab_size
         nh, nkv, hd, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         f32 = lambda *shape: DeviceArray.empty(shape, np.float32)
+        bf16 = lambda *shape: DeviceArray.empty(shape, BF16)
         # io = [position, block ids (last token, then masks), context rows]
         self.io = DeviceArray.empty(2 + B, np.int32)
         self.io.copy_from(np.array([0, 0, *[cfg.mask_token_id] * (B - 1), 0], np.int32))
         self.n_ctx_dev = self.io.view(1, np.int32, 4 * (1 + B))
-        self.x, self.x_next, self.h, self.y = (f32(B, H) for _ in range(4))
-        self.proj = f32(B, max(self.layers[0]["qkv"].n, 2 * I))
+        self.x, self.x_next, self.h = (f32(B, H) for _ in range(3))
+        self.h16, self.att, self.att16, self.act16 = bf16(B, H), f32(B, nh * hd), bf16(B, nh * hd), bf16(B, I)
+        self.proj = f32(B, (nh + 2 * nkv) * hd)
         part = max((q.n for p in (self.target.lm_head,) if len(p.parts) > 1 for q in p.parts), default=1)
         self.part = f32(B, part)
-        self.act, self.att = f32(B, I), f32(B, nh * hd)
         self.q, self.bk, self.bv = f32(B, nh, hd), f32(B, nkv, hd), f32(B, nkv, hd)
         po, pml = self.kernels.partial_sizes()
         self.part_o, self.part_ml = f32(po), f32(pml)
@@ -154,7 +160,8 @@ class GpuDraft:
         ring = draft_kernels.window_floats(cfg, self.window)
         self.keys, self.values = f32(ring), f32(ring)
         # append scratch
-        self.feats, self.c_raw, self.c_sum, self.c = f32(T, cfg.fc_in), f32(T, H), f32(T, H), f32(T, H)
+        self.feats, self.feats16 = f32(T, cfg.fc_in), bf16(T, cfg.fc_in)
+        self.c_raw, self.c_sum, self.c, self.c16 = f32(T, H), f32(T, H), f32(T, H), bf16(T, H)
         self.ctx_rows = f32(T, L * 2 * nkv * hd)
         self.positions = DeviceArray.empty(T, np.int32)
         # host arrays of the latest copies on the stream (a pageable copy is staged before the call returns; kept
@@ -215,9 +222,10 @@ class GpuDraft:
                 feats.copy_from(self._keep[-1], stream=s)
             self._keep.append(positions[t0:t0 + m])
             self.positions.view(m).copy_from(self._keep[-1], stream=s)
-            self.project(self.fc, feats, rows(self.c_raw, m, H), m, s)
-            k.rmsnorm(self.c_raw, None, self.hidden_norm, self.c_sum, self.c, m, stream=s)
-            self.project(self.ctx_kv, self.c, self.ctx_rows, m, s)
+            k.to_bf16(feats, self.feats16, m * cfg.fc_in, stream=s)
+            self.gemm(self.feats16, self.fc, self.c_raw, m, H, cfg.fc_in, "f32", stream=s)
+            k.rmsnorm(self.c_raw, None, self.hidden_norm, self.c_sum, self.c, m, stream=s, h16=self.c16)
+            self.gemm(self.c16, self.ctx_kv, self.ctx_rows, m, self.ctx_rows.shape[1], H, "f32", stream=s)
             k.context_kv(self.ctx_rows, self.k_norms, self.positions, self.length % self.window, self.window,
                          self.keys, self.values, m, stream=s)
             self.length += m
@@ -226,27 +234,28 @@ class GpuDraft:
     def enqueue(self, stream) -> None:
         """Every launch of a forward (position, last token and context rows already in io)."""
         cfg, t, k, r = self.cfg, self.target, self.kernels, self.rows_kernels
-        B, H = cfg.block_size, cfg.hidden_size
+        B, H, I = cfg.block_size, cfg.hidden_size, cfg.intermediate_size
         r.embed(t.embed.parts[0].w, self.io, self.x, B, stream=stream)
-        residual = [self.x, self.x_next]
+        nq, att = self.proj.shape[1], self.att.shape[1]
+        residual = [self.x, self.x_next]  # each norm reads the first and writes it to the second
 
-        def add_norm(y, w, xq=None):
-            k.rmsnorm(residual[0], y, w, residual[1], self.h, B, stream=stream, xq=xq)
+        def norm(w, xq=None, h16=None):
+            k.rmsnorm(residual[0], None, w, residual[1], self.h, B, stream=stream, xq=xq, h16=h16)
             residual.reverse()
 
         for i, L in enumerate(self.layers):
-            add_norm(None if i == 0 else self.y, L["ln1"])
-            self.project(L["qkv"], self.h, self.proj, B, stream)
+            norm(L["ln1"], h16=self.h16)
+            self.gemm(self.h16, L["qkv"], self.proj, B, nq, H, "f32", stream=stream)
             k.block_qkv(self.proj, L["q_norm"], L["k_norm"], self.io, self.q, self.bk, self.bv, stream=stream)
             k.attention(self.q, self.bk, self.bv, self.ring(i), self.ring(i, values=True), self.n_ctx_dev,
                         self.part_o, self.part_ml, stream=stream)
             k.merge(self.part_o, self.part_ml, self.n_ctx_dev, self.att, stream=stream)
-            self.project(L["o"], self.att, self.y, B, stream)
-            add_norm(self.y, L["ln2"])
-            self.project(L["gate_up"], self.h, self.proj, B, stream)
-            k.silu_mul(self.proj, self.act, B, stream=stream)
-            self.project(L["down"], self.act, self.y, B, stream)
-        add_norm(self.y, self.final_norm, xq=self.hq)
+            k.to_bf16(self.att, self.att16, B * att, stream=stream)
+            self.gemm(self.att16, L["o"], residual[0], B, H, att, "add", stream=stream)
+            norm(L["ln2"], h16=self.h16)
+            self.gemm(self.h16, L["gate_up"], self.act16, B, 2 * I, H, "silu", stream=stream)
+            self.gemm(self.act16, L["down"], residual[0], B, H, I, "add", stream=stream)
+        norm(self.final_norm, xq=self.hq)
         xq = None if self.hq is None else self.hq.view(
             (B - 1) * H // 32 * qgemv.XBLOCK_BYTES, offset_bytes=H // 32 * qgemv.XBLOCK_BYTES)
         self.project(t.lm_head, rows(self.h, B - 1, H, 1), self.logits, B - 1, stream, xq=xq)
@@ -285,19 +294,16 @@ class GpuDraft:
         if self.graph is not None:
             self.graph.destroy()
             self.graph = None
-        arrays = [self.fc.parts, self.ctx_kv.parts]
-        for L in self.layers:
-            for v in L.values():
-                arrays.append(v.parts if isinstance(v, Projection) else [v])
-        flat = [p.w if isinstance(p, Part) else p for group in arrays for p in group]
-        flat += [self.hidden_norm, self.final_norm, self.k_norms, self.io, self.x, self.x_next, self.h, self.y,
-                 self.proj, self.part, self.act, self.att, self.q, self.bk, self.bv, self.part_o, self.part_ml,
-                 self.hq, self.logits, self.keys, self.values, self.feats, self.c_raw, self.c_sum, self.c,
-                 self.ctx_rows, self.positions]
+        flat = [self.fc, self.ctx_kv, *(v for L in self.layers for v in L.values())]
+        flat += [self.hidden_norm, self.final_norm, self.k_norms, self.io, self.x, self.x_next, self.h, self.h16,
+                 self.proj, self.part, self.att, self.att16, self.act16, self.q, self.bk, self.bv, self.part_o,
+                 self.part_ml, self.hq, self.logits, self.keys, self.values, self.feats, self.feats16, self.c_raw,
+                 self.c_sum, self.c, self.c16, self.ctx_rows, self.positions]
         for a in flat:
             if a is not None:
                 a.free()
         for op in self.mm.values():
             op.free()
+        self.gemm.free()
         if self.own_stream:
             self.stream.destroy()

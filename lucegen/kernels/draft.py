@@ -1,11 +1,13 @@
 """The DFlash draft's kernels (templates/draft.cu.j2 over draft.cuh and layered.cuh): numpy references, unit,
-launchers. lucegen/engine/draft_gpu.py drives them with the qgemv projections (bf16 draft matrices; the target's
-LM head as loaded) and the layered family's embedding gather.
+launchers. lucegen/engine/draft_gpu.py drives them with the tensor-core GEMM (kernels/gemm.py: bf16 draft matrices,
+bf16 activations, fp32 sums; SiLU x up in its epilogue), the target's LM head as loaded (qgemv) and the layered
+family's embedding gather.
 
 Kernels (rows fp32):
     rmsnorm      x_out = x + y, h = w * x_hat (the plain Qwen3RMSNorm: layered.cuh's add + RMSNorm with its
-                 zero-centred flag off), h's XBlocks optionally (the target's quantized LM head reads them)
-    silu_mul     act = silu(gate) * up, the draft's intermediate width
+                 zero-centred flag off), h's XBlocks optionally (the target's quantized LM head reads them), h in
+                 bf16 optionally (the GEMM reads it)
+    to_bf16      fp32 rows rounded to bf16 (the features and the attention's output, as the GEMM reads them)
     block_qkv    the block's [q | k | v] rows: q = RoPE(q_norm(q)) * head_dim^-1/2, k = RoPE(k_norm(k)), v, at
                  positions io[0] + t
     context_kv   context rows [T, layers, 2, n_kv, head_dim] (k_proj | v_proj of the fused feature C per draft
@@ -29,7 +31,8 @@ from ..model.draft_config import DraftConfig
 from ..reference.dflash import block_attention, rms_norm_plain
 from ..reference.ops import apply_rope, rope_cos_sin, rope_inv_freq
 from ..spec import ChipSpec
-from .layered import NORM_CHUNK, SILU_CHUNK, silu_mul_reference  # noqa: F401  (silu_mul's reference)
+from .gemm import BK as GEMM_BK
+from .layered import NORM_CHUNK
 
 KC = 32          # keys per chunk (draft.cuh: DRAFT_KC): one per lane when scoring
 QK_WARPS = 4     # block_qkv / context_kv: a warp per head
@@ -175,6 +178,10 @@ def shape_problem(spec: ChipSpec, cfg: DraftConfig) -> str | None:
         return f"draft head_dim {hd}: the attention takes 16 .. 128 (a power of two) or a multiple of 128"
     if cfg.hidden_size % 8:
         return f"draft hidden {cfg.hidden_size}: the row kernels need a multiple of 8"
+    widths = {"hidden": cfg.hidden_size, "fc input": cfg.fc_in, "attention output": cfg.num_attention_heads * hd,
+              "intermediate": cfg.intermediate_size}
+    if bad := [f"{what} {k}" for what, k in widths.items() if k % GEMM_BK]:
+        return f"draft {', '.join(bad)}: the projections' tensor-core GEMM takes K a multiple of {GEMM_BK}"
     if rows // att_warps(cfg) > MAX_ROWS_PER_WARP:
         return f"draft: {rows} query rows a kv head over {att_warps(cfg)} warps exceed {MAX_ROWS_PER_WARP} a warp"
     if att_smem(cfg) > spec.chip.smem_per_block:
@@ -199,11 +206,11 @@ def units(spec: ChipSpec, model: ModelConfig, draft: DraftConfig | None = None) 
                       nkv=cfg.num_key_value_heads, hd=cfg.head_dim, block=cfg.block_size,
                       layers=cfg.num_hidden_layers, eps=hexf(cfg.rms_norm_eps), scale=hexf(cfg.head_dim ** -0.5),
                       inv_freq=[hexf(v) for v in rope_inv_freq(cfg.head_dim, cfg.rope_theta)],
-                      row_threads=rt, silu_chunk=SILU_CHUNK * rt, norm_chunk=NORM_CHUNK * rt, qk_warps=QK_WARPS,
+                      row_threads=rt, norm_chunk=NORM_CHUNK * rt, qk_warps=QK_WARPS,
                       att_threads=32 * att_warps(cfg), splits=splits(spec, cfg), merge_threads=merge_threads(cfg))
         name = UNIT if len(drafts) == 1 else f"{UNIT}_{len(out)}"
         out.append(KernelUnit(name, "draft.cu.j2", params, (
-            KernelSig("draft_rmsnorm", rt), KernelSig("draft_silu_mul", rt),
+            KernelSig("draft_rmsnorm", rt), KernelSig("draft_to_bf16", rt),
             KernelSig("draft_block_qkv", 32 * QK_WARPS), KernelSig("draft_context_kv", 32 * QK_WARPS),
             KernelSig("draft_attention", 32 * att_warps(cfg), dynamic_smem=att_smem(cfg)),
             KernelSig("draft_merge", merge_threads(cfg)))))
@@ -226,10 +233,10 @@ class DraftKernels:
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.rows = self.group * cfg.block_size
         self.norm_blocks = -(-cfg.hidden_size // (NORM_CHUNK * self.row_threads))
-        self.silu_blocks = -(-cfg.intermediate_size // (SILU_CHUNK * self.row_threads))
         self.qk_blocks = -(-(cfg.num_attention_heads + cfg.num_key_value_heads) // QK_WARPS)
         k = lambda name: module.kernel(f"draft_{name}")
-        self._norm, self._silu, self._qkv, self._ctx = k("rmsnorm"), k("silu_mul"), k("block_qkv"), k("context_kv")
+        self._norm, self._qkv, self._ctx = k("rmsnorm"), k("block_qkv"), k("context_kv")
+        self._bf16, self.sm_count = k("to_bf16"), spec.chip.sm_count
         self._att, self._merge = k("attention"), k("merge")
         if self.smem > 48 * 1024:
             self._att.set_max_dynamic_smem(self.smem)
@@ -239,14 +246,17 @@ class DraftKernels:
         n = self.cfg.num_key_value_heads * self.splits * self.rows
         return n * self.cfg.head_dim, n * 2
 
-    def rmsnorm(self, x, y, w, x_out, h, m: int, stream=None, xq=None) -> None:
-        """x_out = x + y (None: x); h = w * x_hat; h's XBlocks into xq when given. x_out must not be x."""
+    def rmsnorm(self, x, y, w, x_out, h, m: int, stream=None, xq=None, h16=None) -> None:
+        """x_out = x + y (None: x); h = w * x_hat; h's XBlocks into xq and h in bf16 into h16 when given. x_out must
+        not be x."""
         if x_out.ptr == x.ptr:
             raise ValueError("rmsnorm writes the sum to another buffer than x (its blocks read x whole)")
-        self._norm((m, self.norm_blocks), self.row_threads, x, _null(y), w, x_out, h, _null(xq), stream=stream)
+        self._norm((m, self.norm_blocks), self.row_threads, x, _null(y), w, x_out, h, _null(xq), _null(h16),
+                   stream=stream)
 
-    def silu_mul(self, gate_up, act, m: int, stream=None) -> None:
-        self._silu((m, self.silu_blocks), self.row_threads, gate_up, act, stream=stream)
+    def to_bf16(self, x, y, n: int, stream=None) -> None:
+        """y [n] bf16 = x [n] fp32 rounded to nearest; n a multiple of 4."""
+        self._bf16(min(-(-n // (4 * self.row_threads)), 8 * self.sm_count), self.row_threads, x, y, n, stream=stream)
 
     def block_qkv(self, qkv, q_norm, k_norm, io, q, k, v, stream=None) -> None:
         """The block's rows at positions io[0] + t (io: int32 on the device)."""

@@ -115,7 +115,7 @@ def tiny_draft_config(target: ModelConfig, **overrides: Any) -> DraftConfig:
     """A small draft for a tiny target (lucegen.model.config.tiny_config), for tests. Override any field."""
     base = {
         "hidden_size": target.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "block_size": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "block_size": 4,
         "target_layer_ids": (0, 1, target.num_hidden_layers - 2), "mask_token_id": target.vocab_size - 1,
         "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0, "num_target_layers": target.num_hidden_layers,
     }
