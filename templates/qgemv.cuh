@@ -180,28 +180,36 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 
 // The GEMM on int8 tensor cores (formats with F::MMA), giving qgemm's bits. Lane l of qgemm sums, slice by slice,
 // the terms of its class of pieces (piece l of every slice: block l / PIECES of the slice, piece l % PIECES of it);
-// here a block takes 16 rows and MT activation rows (a multiple of 8), and warp w the classes 4w .. 4w+3 (8 warps:
-// the 32 classes; with 8 pieces a block, one block of each slice). For each of its pieces and 8 activation rows one
-// mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over half the piece's values, for
-// F::SPLIT), then F::term scales it in fp32 and the class's sum takes it, as qgemm's lane does. At the end the 32
-// class sums of each output meet in shared memory and are added in warp_sum's butterfly order.
+// here a block takes TILES x 16 rows and MT activation rows (a multiple of 8), and warp w the classes 4w .. 4w+3 of
+// all of them (8 warps: the 32 classes; with 8 pieces a block, one block of each slice). For each of its pieces, row
+// tile and 8 activation rows one mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over
+// half the piece's values, for F::SPLIT), then F::term scales it in fp32 and the class's sum takes it, as qgemm's
+// lane does. At the end the 32 class sums of each output meet in shared memory and are added in warp_sum's
+// butterfly order.
 //
 // Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block copies
-// with 16-byte cp.async, STAGES - 1 slices ahead of the one multiplied: the 16 rows' slices (each widened to the
+// with 16-byte cp.async, STAGES - 1 slices ahead of the one multiplied: the rows' slices (each widened to the
 // 16-byte words around it, as qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation
-// rows' XBlocks of the slice. Read from global memory instead, each piece's activations cost the warp a round trip
-// to L2 between its mma (measured: slower than dp4a). Each row slot is an odd number of 16-byte words, so that
-// the 8 rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An M-tile's n-tiles of 8
-// past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
-template <class F, int K, int MT, int STAGES, int THREADS>
+// rows' XBlocks of the slice. Each thread copies words of one weight row and one activation row (THREADS / ROWS and
+// THREADS / MT threads a row), so where they come from is worked out once. An activation fragment serves the TILES
+// row tiles: XBlocks are 1.5 bytes a value against Q4_K's 0.56, so at 16 rows a block the activations were most of
+// what a block copied. Read from global memory instead, each piece's activations cost the warp a round trip to L2
+// between its mma (measured: slower than dp4a). Each row slot is an odd number of 16-byte words, so that the 8
+// rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An M-tile's n-tiles of 8 past M
+// are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
+template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
-    static_assert(MT % 8 == 0 && MT <= 32, "activation rows in mma tiles of 8");
+    static_assert(MT % 8 == 0 && THREADS % MT == 0, "activation rows in mma tiles of 8, whole threads a row");
+    static_assert(TILES == 1 || TILES == 2, "one or two row tiles of 16");
     static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
     using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
-    static constexpr int ROWS = 16;              // weight rows per block: the mma's M
+    static constexpr int ROWS = 16 * TILES;      // weight rows per block
     static constexpr int odd_words(int bytes) { return bytes / 16 % 2 ? bytes : bytes + 16; }
     static constexpr int W_SLOT = odd_words(Q::SLOT), X_SLOT = odd_words(Q::X_SLICE_BYTES);
+    static constexpr int W_THREADS = THREADS / ROWS, X_THREADS = THREADS / MT;  // copying each row
+    static constexpr int W_COPIES = (Q::SLOT / 16 + W_THREADS - 1) / W_THREADS;  // a thread's words of a slice
+    static constexpr int X_COPIES = (Q::X_SLICE_BYTES / 16 + X_THREADS - 1) / X_THREADS;
     static constexpr int X_STAGE = ROWS * W_SLOT;  // where a stage's activations start
     static constexpr int STAGE_BYTES = X_STAGE + MT * X_SLOT;
     static constexpr int RING = STAGES * STAGE_BYTES;
@@ -209,55 +217,67 @@ struct QGemmMma {
     static constexpr int SMEM = RING > RED ? RING : RED;
 };
 
-template <class F, int K, int MT, int STAGES, int THREADS>
+template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
                           float* __restrict__ y, int N, int M, unsigned char* smem) {
-    using R = QGemmMma<F, K, MT, STAGES, THREADS>;
+    using R = QGemmMma<F, K, MT, TILES, STAGES, THREADS>;
     using Q = typename R::Q;
     constexpr int NT = MT / 8, BLOCKS = K / F::BLOCK_VALUES, PIECE_XB = F::XB / F::PIECES;
-    constexpr int W_WORDS = Q::SLOT / 16, X_WORDS = Q::X_SLICE_BYTES / 16;
     const int mtiles = (M + MT - 1) / MT;
     const int m0 = (blockIdx.x % mtiles) * MT, r0 = (blockIdx.x / mtiles) * R::ROWS;
     const int nts = min(NT, (M - m0 + 7) / 8);  // the n-tiles holding activation rows
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // Row j's slice s starts slice_start(j, s) bytes into W (rows past N: the last row's; their outputs are dropped).
-    const auto slice_start = [&](int j, int s) {
-        return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES + (long long)s * Q::SLICE_BYTES;
-    };
-    // Slice s into stage s % STAGES: the rows' bytes from the 16-byte word holding their first, and the XBlocks of
-    // the activation rows of the n-tiles in use (rows past M: the last row's).
+    // Where row j starts in W (rows past N: the last row's; their outputs are dropped).
+    const auto row_start = [&](int j) { return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES; };
+    // This thread's copies: words cw + W_THREADS i of weight row cj's slot, words xw + X_THREADS i of activation
+    // row xm's (rows past M: the last row's; rows of n-tiles past nts: none).
+    const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
+    const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
+    const unsigned char* const w_row = W + row_start(cj);
+    const unsigned char* const x_row = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES;
+    const bool x_copies = xm < 8 * nts;
+    // Slice s into stage s % STAGES: each weight row's bytes from the 16-byte word holding its first, and the
+    // XBlocks of the activation rows of the n-tiles in use.
     const auto issue = [&](int s) {  // every thread: its share of slice s's copies (if any); always one commit group
         if (s < Q::SLICES) {
             unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
             const int bytes = min(Q::SLICE_BYTES, static_cast<int>(Q::ROW_BYTES - (long long)s * Q::SLICE_BYTES));
-            for (int c = threadIdx.x; c < R::ROWS * W_WORDS; c += THREADS) {
-                const int j = c / W_WORDS, w = c % W_WORDS;
-                const long long start = slice_start(j, s), from = start & ~15ll;
-                if (from + 16 * w < start + bytes) cp_async16(stage + j * R::W_SLOT + 16 * w, W + from + 16 * w, true);
+            const unsigned char* start = w_row + (long long)s * Q::SLICE_BYTES;
+            const unsigned char* from =
+                reinterpret_cast<const unsigned char*>(reinterpret_cast<size_t>(start) & ~size_t(15));
+            const int end = static_cast<int>(start - from) + bytes;  // past the slice's last byte, from `from`
+#pragma unroll
+            for (int i = 0; i < R::W_COPIES; ++i) {
+                const int w = cw + R::W_THREADS * i;
+                if (16 * w < end) cp_async16(stage + cj * R::W_SLOT + 16 * w, from + 16 * w, true);
             }
             const long long xs = (long long)s * Q::X_SLICE_BYTES;
             const int xbytes = min(Q::X_SLICE_BYTES, static_cast<int>(Q::X_ROW_BYTES - xs));
-            for (int c = threadIdx.x; c < 8 * nts * X_WORDS; c += THREADS) {
-                const int m = c / X_WORDS, w = c % X_WORDS;
-                if (16 * w < xbytes)
-                    cp_async16(stage + R::X_STAGE + m * R::X_SLOT + 16 * w,
-                               x + (long long)min(m0 + m, M - 1) * Q::X_ROW_BYTES + xs + 16 * w, true);
+#pragma unroll
+            for (int i = 0; i < R::X_COPIES; ++i) {
+                const int w = xw + R::X_THREADS * i;
+                if (x_copies && 16 * w < xbytes)
+                    cp_async16(stage + R::X_STAGE + xm * R::X_SLOT + 16 * w, x_row + xs + 16 * w, true);
             }
         }
         cp_async_commit();
     };
-    float acc[4][NT][4];
+    float acc[TILES][4][NT][4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < TILES; ++i)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int c = 0; c < 4; ++c)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][c][nt][e] = 0.f;
     const int q = warp % 2;
     const int wb = warp / 2;  // the warp's block in every slice
-    int skew[2];              // where rows g and g + 8 start, mod 16
+    int skew[TILES][2];       // where the lane's rows 16 tile + g + 8i start, mod 16
 #pragma unroll
-    for (int i = 0; i < 2; ++i) skew[i] = static_cast<int>(slice_start(g + 8 * i, 0) & 15);
+    for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) skew[tile][i] = static_cast<int>(row_start(16 * tile + g + 8 * i) & 15);
     wait_for_prior_grids();   // the activations are the kernel before's
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
@@ -269,39 +289,49 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         if (s * (32 / F::PIECES) + wb >= BLOCKS) continue;  // a partial last slice without this warp's block:
                                                             // qgemm's lanes skip it too
         const unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
-        typename F::MmaRaw raw[2];
+        typename F::MmaRaw raw[TILES][2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)  // row g + 8i's block, (row start + s SLICE_BYTES) mod 16 into its slot
-            raw[i] = F::mma_raw(stage + (g + 8 * i) * R::W_SLOT + ((skew[i] + s * Q::SLICE_BYTES) & 15) +
-                                wb * F::BLOCK_BYTES, q, t);
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int i = 0; i < 2; ++i)  // row 16 tile + g + 8i's block, (row start + s SLICE_BYTES) mod 16 in
+                raw[tile][i] = F::mma_raw(stage + (16 * tile + g + 8 * i) * R::W_SLOT +
+                                          ((skew[tile][i] + s * Q::SLICE_BYTES) & 15) + wb * F::BLOCK_BYTES, q, t);
+        // the warp's block's XBlocks in a stage's activation rows
+        const unsigned char* xb = stage + R::X_STAGE + wb * F::XB;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int p = 4 * q + c;
-            unsigned a[2][2];
-            typename F::Scale sc[2];
+            unsigned a[TILES][2][2];
+            typename F::Scale sc[TILES][2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) F::mma_piece(raw[i], q, c, a[i][0], a[i][1], sc[i]);
-            // the piece's XBlock in a stage's activation row
-            const unsigned char* xp = stage + R::X_STAGE + wb * F::XB + p * PIECE_XB;
+            for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    F::mma_piece(raw[tile][i], q, c, lane & ~3, a[tile][i][0], a[tile][i][1], sc[tile][i]);
+            const unsigned char* xp = xb + p * PIECE_XB;  // the piece's XBlock
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 if (nt >= nts) break;
                 const XBlock& xq = *reinterpret_cast<const XBlock*>(xp + (8 * nt + g) * R::X_SLOT);
                 const unsigned b[2] = {static_cast<unsigned>(xq.q[t]), static_cast<unsigned>(xq.q[4 + t])};
-                int lo[4], hi[4] = {0, 0, 0, 0};
-                if constexpr (F::SPLIT) {
-                    mma_s8(lo, {a[0][0], a[1][0], 0u, 0u}, b);
-                    mma_s8(hi, {0u, 0u, a[0][1], a[1][1]}, b);
-                } else {
-                    mma_s8(lo, {a[0][0], a[1][0], a[0][1], a[1][1]}, b);
-                }
                 int4 meta[2];
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
                     meta[j] = reinterpret_cast<const XBlock*>(xp + (8 * nt + 2 * t + j) * R::X_SLOT)->meta();
 #pragma unroll
-                for (int e = 0; e < 4; ++e)  // C element e: row g + 8 (e / 2), activation 8 nt + 2t + e % 2
-                    acc[c][nt][e] = __fadd_rn(acc[c][nt][e], F::term(sc[e / 2], lo[e], hi[e], meta[e % 2]));
+                for (int tile = 0; tile < TILES; ++tile) {
+                    int lo[4], hi[4] = {0, 0, 0, 0};
+                    if constexpr (F::SPLIT) {
+                        mma_s8(lo, {a[tile][0][0], a[tile][1][0], 0u, 0u}, b);
+                        mma_s8(hi, {0u, 0u, a[tile][0][1], a[tile][1][1]}, b);
+                    } else {
+                        mma_s8(lo, {a[tile][0][0], a[tile][1][0], a[tile][0][1], a[tile][1][1]}, b);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)  // C element e: row 16 tile + g + 8 (e / 2), activation 8nt + 2t + e % 2
+                        acc[tile][c][nt][e] = __fadd_rn(acc[tile][c][nt][e],
+                                                        F::term(sc[tile][e / 2], lo[e], hi[e], meta[e % 2]));
+                }
             }
         }
     }
@@ -310,12 +340,15 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     __syncthreads();  // every warp is done with the ring: its memory takes the class sums
     float* red = reinterpret_cast<float*>(smem);  // [class][row][activation]
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
+    for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int c = 0; c < 4; ++c)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                red[((4 * warp + c) * R::ROWS + g + 8 * (e / 2)) * MT + 8 * nt + 2 * t + e % 2] = acc[c][nt][e];
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    red[((4 * warp + c) * R::ROWS + 16 * tile + g + 8 * (e / 2)) * MT + 8 * nt + 2 * t + e % 2] =
+                        acc[tile][c][nt][e];
     __syncthreads();
     for (int o = threadIdx.x; o < R::ROWS * MT; o += THREADS) {
         const int row = o / MT, m = o % MT;

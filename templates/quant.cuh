@@ -32,8 +32,9 @@
 // integer. A format then gives
 //   F::MmaRaw, F::mma_raw(block, q, t) what thread t (mma.cuh's fragments) loads of the block for its pieces
 //                                      4q .. 4q+3 (a quad),
-//   F::mma_piece(raw, q, c, lo, hi, sc) piece 4q + c from that: its values 4t .. 4t+3 (lo) and 16+4t .. 16+4t+3
-//                                      (hi) as bytes (an A fragment's words for one row) and its F::Scale,
+//   F::mma_piece(raw, q, c, quad, lo, hi, sc) piece 4q + c from that: its values 4t .. 4t+3 (lo) and 16+4t ..
+//                                      16+4t+3 (hi) as bytes (an A fragment's words for one row) and its F::Scale
+//                                      (quad: the first lane of thread t's 4, which may pass scales round),
 //   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
 //   F::term(scale, dlo, dhi, meta)     the term t from the dots of the halves with the XBlock (meta: XBlock::meta),
 // and F::dot computes its term through the same F::term.
@@ -362,24 +363,26 @@ struct FmtK4 {
         return term({pc.ds, pc.dm}, u, 0, meta);
     }
     // Tensor cores (Q4_K): value 4t + i of piece p is nibble p % 2 of qs byte 32 (p / 2) + 4t + i. Quad q (pieces
-    // 4q .. 4q+3) of a block: the header and the words at 4t and 16 + 4t of qs bytes 64q .. 64q+63.
+    // 4q .. 4q+3) of a block: the words at 4t and 16 + 4t of qs bytes 64q .. 64q+63, and the scales of piece 4q + t,
+    // which the 4 lanes of the row pass round (each decodes one piece's instead of all four).
     static constexpr bool MMA = !Q5;
     struct MmaRaw {
-        uint4 h;
+        Scale own;      // piece 4q + t's
         unsigned w[4];  // pair j (pieces 4q + 2j, 4q + 2j + 1): w[2j] values 4t.., w[2j + 1] values 16 + 4t..
     };
     __device__ static MmaRaw mma_raw(const unsigned char* block, int q, int t) {
         MmaRaw r;
-        r.h = *reinterpret_cast<const uint4*>(block);
+        r.own = scale(*reinterpret_cast<const uint4*>(block), 4 * q + t);
         const unsigned* w = reinterpret_cast<const unsigned*>(block + QS + 64 * q + 4 * t);
 #pragma unroll
         for (int i = 0; i < 4; ++i) r.w[i] = w[4 * i];  // bytes 64q + 16 i + 4t
         return r;
     }
-    __device__ static void mma_piece(const MmaRaw& r, int q, int c, unsigned& lo, unsigned& hi, Scale& sc) {
+    __device__ static void mma_piece(const MmaRaw& r, int, int c, int quad, unsigned& lo, unsigned& hi, Scale& sc) {
         lo = (r.w[2 * (c / 2)] >> (4 * (c % 2))) & 0x0F0F0F0Fu;
         hi = (r.w[2 * (c / 2) + 1] >> (4 * (c % 2))) & 0x0F0F0F0Fu;
-        sc = scale(r.h, 4 * q + c);
+        // from the row's lane t = c
+        sc = {__shfl_sync(0xFFFFFFFFu, r.own.ds, quad | c), __shfl_sync(0xFFFFFFFFu, r.own.dm, quad | c)};
     }
     __device__ static Scale scale(const uint4& h, int p) {  // h: the block's first 16 bytes
         const unsigned scm = scale_min_k4(p, h);
@@ -489,7 +492,7 @@ struct FmtQ6_K {
         r.d = *reinterpret_cast<const unsigned short*>(block + 208);
         return r;
     }
-    __device__ static void mma_piece(const MmaRaw& r, int, int k, unsigned& lo, unsigned& hi, Scale& sc) {
+    __device__ static void mma_piece(const MmaRaw& r, int, int k, int, unsigned& lo, unsigned& hi, Scale& sc) {
         const unsigned shift = 4 * (k / 2);
         lo = ((r.ql[2 * (k % 2)] >> shift) & 0x0F0F0F0Fu) | (((r.qh[0] >> (2 * k)) & 0x03030303u) << 4);
         hi = ((r.ql[2 * (k % 2) + 1] >> shift) & 0x0F0F0F0Fu) | (((r.qh[1] >> (2 * k)) & 0x03030303u) << 4);

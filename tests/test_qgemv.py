@@ -98,9 +98,10 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
-            if mma:  # tensor cores: the last kernel, 16 rows a block; dp4a's M-tiles before it unless it takes all M
-                *gemms, t = gemms
-                assert (t.mt, t.stages, t.mma, t.rows_per_block()) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True, 16)
+            if mma:  # tensor cores: the last kernel, the format's tiles of 16 rows a block; dp4a's M-tiles before
+                *gemms, t = gemms  # it unless it takes all M
+                assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE[f.name], qgemv.MMA_STAGES, True)
+                assert t.rows_per_block() == 16 * qgemv.MMA_TILES[f.name]
             dp4a = [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
             assert [t.mt for t in gemms] == dp4a
             assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
@@ -116,7 +117,11 @@ def test_mma_sizes_worked_out_by_hand():
     # Q6_K: 4 blocks of 210 bytes from a 2-byte aligned start widened to 54 words, slots of 55; 8 activation rows
     assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k) == 2 * (16 * 55 * 16 + 8 * 97 * 16)
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
-    assert t.name(q4k, 5120) == "qgemm_mma_m16_q4_k_k5120_t256_st3"
+    assert t.name(q4k, 5120) == "qgemm_mma_m16_r1_q4_k_k5120_t256_st3"
+    # two row tiles: 32 rows' slices a stage; 2 stages outgrow the 32 rows' class sums (64 KB)
+    t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
+    assert t2.smem(q4k) == 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
+    assert t2.grid(17408, 40) == 17408 // 32 * 3
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
@@ -211,6 +216,8 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
 struct __half { unsigned short bits; };
 static inline __half __ushort_as_half(unsigned short b) { return {b}; }
 static inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits, 2); return static_cast<float>(f); }
+// the tensor-core GEMM's warp shuffle compiles but is not run here: declared only, a use would not link
+float __shfl_sync(unsigned mask, float v, int lane);
 """
 
 HOST_MAIN = r"""

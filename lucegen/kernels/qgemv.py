@@ -32,12 +32,16 @@ from ..spec import WEIGHT_FORMATS, ChipSpec
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
-MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a block (the mma's M), threads (a warp per 4 lane classes)
-# qgemm_mma's M-tile and ring depth on the spec's GEMMs. Measured on the H200 (27B shapes, us summed over 3; st =
-# stages): mt24 st2 beat mt16 st2, mt24 st3 and mt32 st2 from M = 23 (Q4_K M=23 240 against 285, 280, 328; M=33 379
-# against 422, 454, 534; Q6_K M=23 279 against 323, 329, 381) and beat dp4a there (Q4_K M=23 256, M=33 424; Q6_K
-# M=23 372, M=33 483); at M = 17 dp4a still wins Q4_K (252 against 280). st3 at mt16 leaves Q6_K one block an SM.
-MMA_M_TILE, MMA_STAGES = 24, 2
+MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
+# qgemm_mma's M-tile and row tiles a block per format, and its ring depth, on the spec's GEMMs. Measured on the
+# H200 (27B ffn shapes, us; results/logs/h200-s11-run3-qgemm-mma-ab): Q4_K at mt16 with two row tiles (each
+# activation fragment serves both) beat dp4a and session 10's kernel (16 rows, mt24) from M = 16 (ffn_up M=16 54
+# against 67; M=23 82 against 91; M=32 94 against 129). Q6_K's fragments leave no registers for two tiles at mt16
+# or for mt24 (spills): mt16 beat dp4a from M = 16 (80-84 against 96), session 10's mt24 stays ahead at M = 17 to 23
+# (106 against 120 at M = 23).
+MMA_M_TILE = {"q4_k": 16, "q6_k": 16}
+MMA_TILES = {"q4_k": 2, "q6_k": 1}
+MMA_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -233,27 +237,29 @@ class Tuning:
     mt: int          # activation rows per block (1: the GEMV)
     span: int        # K-slices per item (a warp's unit of loads)
     stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
-    mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: 16 rows a block, 8 warps, a block-wide ring of
-                       # `stages` slices; rows and span unused)
+    mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: `rows` tiles of 16 rows a block, 8 warps, a
+                       # block-wide ring of `stages` slices; span unused)
 
     def name(self, fmt: Format, k: int) -> str:
         if self.mma:
-            return f"qgemm_mma_m{self.mt}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}"
+            return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
         return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
 
     def rows_per_block(self) -> int:
-        return MMA_ROWS if self.mma else self.threads // 32 * self.rows
+        return MMA_ROWS * self.rows if self.mma else self.threads // 32 * self.rows
 
     def smem(self, fmt: Format) -> int:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
-        larger of the block's ring (`stages` slices of its 16 rows and mt activation rows, each row's slot an odd
-        number of 16-byte words) and the 32 lane classes' sums of its 16 x mt outputs, which reuse the ring's memory."""
+        larger of the block's ring (`stages` slices of its rows and mt activation rows, each row's slot an odd
+        number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the ring's
+        memory."""
         if self.mma:
             odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
-            stage = MMA_ROWS * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
-            return max(self.stages * stage, 32 * MMA_ROWS * self.mt * 4)
+            rows = self.rows_per_block()
+            stage = rows * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
+            return max(self.stages * stage, 32 * rows * self.mt * 4)
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
     def grid(self, n: int, m: int) -> int:
@@ -266,15 +272,15 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_STAGES), which calls of at least
-    gemm_mma_from rows take (for_rows)."""
+    that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_TILES, MMA_STAGES), which calls of at
+    least gemm_mma_from rows take (for_rows)."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     mma = q.gemm == "mma" and fmt.mma
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
     if mma:
-        gemms.append(Tuning(MMA_THREADS, 1, MMA_M_TILE, 1, MMA_STAGES, mma=True))
+        gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE[fmt.name], 1, MMA_STAGES, mma=True))
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
 
 
