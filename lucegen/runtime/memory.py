@@ -13,6 +13,26 @@ import numpy as np
 
 from .driver import call
 
+# cuMemFree while this thread captures a stream is an unsafe call: it fails and invalidates the capture (the next
+# launch: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED). Python may collect an unreachable DeviceArray, and free it, at any
+# allocation, including inside the code a capture runs; so frees asked for during a capture wait for its end
+# (runtime.stream.Graph calls capture_began / capture_ended).
+_captures = 0
+_deferred: list[int] = []
+
+
+def capture_began() -> None:
+    global _captures
+    _captures += 1
+
+
+def capture_ended() -> None:
+    """The capture is over: the frees it deferred happen now (once no capture is left)."""
+    global _captures
+    _captures -= 1
+    while not _captures and _deferred:
+        call("cuMemFree", _deferred.pop())
+
 
 class DeviceArray:
     def __init__(self, ptr: int, shape: Sequence[int], dtype, owner: bool):
@@ -83,7 +103,10 @@ class DeviceArray:
     # ---- ownership ----------------------------------------------------------------------------------------
     def free(self) -> None:
         if self._owner and self.ptr:
-            call("cuMemFree", self.ptr)
+            if _captures:
+                _deferred.append(self.ptr)
+            else:
+                call("cuMemFree", self.ptr)
         self.ptr, self._owner = 0, False
 
     def __enter__(self) -> "DeviceArray":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .driver import _drv, call
+from .memory import capture_began, capture_ended
 
 
 class Stream:
@@ -58,10 +59,14 @@ class Graph:
     def __enter__(self) -> "Graph":
         call("cuStreamBeginCapture", self.stream.handle,
              _drv().CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        capture_began()  # DeviceArray frees wait for the end (runtime/memory.py)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        graph = call("cuStreamEndCapture", self.stream.handle)
+        try:
+            graph = call("cuStreamEndCapture", self.stream.handle)
+        finally:
+            capture_ended()
         if exc_type is not None:
             call("cuGraphDestroy", graph)
             return
