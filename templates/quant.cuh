@@ -34,7 +34,8 @@
 //                                      4q .. 4q+3 (a quad),
 //   F::mma_piece(raw, q, c, quad, lo, hi, sc) piece 4q + c from that: its values 4t .. 4t+3 (lo) and 16+4t ..
 //                                      16+4t+3 (hi) as bytes (an A fragment's words for one row) and its F::Scale
-//                                      (quad: the first lane of thread t's 4, which may pass scales round),
+//                                      (quad: the first of the 4 lanes that hold the row, lane & ~3: they may
+//                                      pass scales round),
 //   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
 //   F::term(scale, dlo, dhi, meta)     the term t from the dots of the halves with the XBlock (meta: XBlock::meta),
 // and F::dot computes its term through the same F::term.
