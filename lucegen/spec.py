@@ -90,6 +90,8 @@ class QGemvTuning:
     gemm_mma_from: int = 2    # with gemm = mma: the smallest M the int8 mma GEMM takes (dp4a's M-tiles below it)
     tensor_core_formats: tuple[str, ...] = ()  # formats whose rows go through kernels/qgemm_tc.py at every M (the
                                                # decode GEMV and the verify GEMM in one batch-invariant kernel)
+    min_blocks: int = 2       # the GEMV's blocks an SM at least (__launch_bounds__): more cap its registers, for more
+                              # warps (loads in flight) an SM
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     for key in ("rows_per_warp", "span", "gemm_span", "gemm_rows_per_warp"):
         if not 1 <= getattr(t.qgemv, key) <= 8:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
+    if not 1 <= t.qgemv.min_blocks <= c.max_threads_per_sm // t.qgemv.threads:
+        _fail(source, "tuning.qgemv.min_blocks", f"{t.qgemv.min_blocks} must be between 1 and "
+              f"{c.max_threads_per_sm // t.qgemv.threads} (blocks of {t.qgemv.threads} threads an SM)")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
     if unknown := set(t.qgemv.tensor_core_formats) - set(TENSOR_CORE_FORMATS):

@@ -118,6 +118,8 @@ def test_mma_sizes_worked_out_by_hand():
     assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k) == 2 * (16 * 55 * 16 + 8 * 97 * 16)
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
     assert t.name(q4k, 5120) == "qgemm_mma_m16_r1_q4_k_k5120_t256_st3"
+    # a GEMV with a floor of 6 blocks an SM (a register cap) is a kernel of its own
+    assert qgemv.Tuning(256, 1, 1, 1, min_blocks=6).name(q4k, 5120) == "qgemv_q4_k_k5120_r1_s1_t256_mb6"
     # two row tiles: 32 rows' slices a stage; 2 stages outgrow the 32 rows' class sums (64 KB)
     t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
     assert t2.smem(q4k) == 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4

@@ -78,6 +78,7 @@ def _delete(path: str):
     (_set("tuning.prefill", {"split_k": 0}), "tuning.prefill.split_k", "between 1 (no split) and 8"),
     (_set("tuning.qgemv", {"stages": 1}), "tuning.qgemv.stages", "0 (no ring) or between 2 and 8"),
     (_set("tuning.qgemv", {"gemm": "wmma"}), "tuning.qgemv.gemm", "is not one of"),
+    (_set("tuning.qgemv", {"min_blocks": 9}), "tuning.qgemv.min_blocks", "between 1 and 8 (blocks of 256 threads"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
     (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),

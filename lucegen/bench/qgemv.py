@@ -114,10 +114,12 @@ def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
 
 # bench qgemv --tune: the tunings swept, per M class (the spec's own are among them)
 TUNE_GEMV = [*(qgemv.Tuning(256, r, 1, s) for r in (1, 2) for s in (1, 2, 4)),
-             *(qgemv.Tuning(t, r, 1, s, st) for t in (128, 256) for r in (1, 2) for s in (1, 2) for st in (3, 4, 8))]
+             *(qgemv.Tuning(t, r, 1, s, st) for t in (128, 256) for r in (1, 2) for s in (1, 2) for st in (3, 4, 8)),
+             *(qgemv.Tuning(256, 1, 1, 1, min_blocks=b) for b in (4, 5, 6, 8))]
 TUNE_GEMM = [qgemv.Tuning(t, r, mt, 1, st) for t, r in ((256, 1), (256, 2), (128, 4)) for mt in (4, 8, 16)
              for st in (0, 3)] + [qgemv.Tuning(256, 1, mt, 1, 3, mma=True) for mt in (16, 32)]
-# (rows per warp: each activation load serves that many rows; mma: int8 tensor cores, the formats that have them)
+# (rows per warp: each activation load serves that many rows; mma: int8 tensor cores, the formats that have them;
+# mb: blocks an SM at least, a register cap for more warps)
 TUNE_FORMATS = ("q4_k", "q6_k")  # Q4_K_M's two
 TUNE_MS = (1, 16, 64)
 
@@ -125,7 +127,8 @@ TUNE_MS = (1, 16, 64)
 def _label(t: qgemv.Tuning) -> str:
     if t.mma:
         return f"mma mt{t.mt}"
-    return f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}" + (f" st{t.stages}" if t.stages else "")
+    return (f"t{t.threads} r{t.rows} mt{t.mt} s{t.span}" + (f" st{t.stages}" if t.stages else "") +
+            (f" mb{t.min_blocks}" if t.min_blocks != 2 else ""))
 
 
 def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:

@@ -239,13 +239,15 @@ class Tuning:
     stages: int = 0  # items in each warp's shared-memory ring; 0: loads straight into registers
     mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: `rows` tiles of 16 rows a block, 8 warps, a
                        # block-wide ring of `stages` slices; span unused)
+    min_blocks: int = 2  # blocks an SM at least (__launch_bounds__: a register cap)
 
     def name(self, fmt: Format, k: int) -> str:
+        floor = f"_mb{self.min_blocks}" if self.min_blocks != 2 else ""
         if self.mma:
-            return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}"
+            return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}{floor}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
-        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}"
+        return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}{floor}"
 
     def rows_per_block(self) -> int:
         return MMA_ROWS * self.rows if self.mma else self.threads // 32 * self.rows
@@ -281,7 +283,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
     if mma:
         gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE[fmt.name], 1, MMA_STAGES, mma=True))
-    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages), *gemms]
+    return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks), *gemms]
 
 
 def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
@@ -346,7 +348,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
                                            "span": t.span, "stages": t.stages, "threads": t.threads, "mma": t.mma,
-                                           "smem": t.smem(fmt), "min_blocks": 2}
+                                           "smem": t.smem(fmt), "min_blocks": t.min_blocks}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
