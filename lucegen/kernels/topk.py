@@ -56,10 +56,6 @@ def max_k(spec: ChipSpec) -> int:
     return spec.tuning.topk.max_k
 
 
-def blocks_per_row(spec: ChipSpec, vocab: int) -> int:
-    return math.ceil(vocab / spec.tuning.topk.slice)
-
-
 def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     t = spec.tuning.topk
     return [KernelUnit("topk", "topk.cu.j2", {"threads": t.threads, "slice": t.slice, "max_k": t.max_k},
