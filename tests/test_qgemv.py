@@ -100,7 +100,7 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             mma = q.gemm == "mma" and f.mma
             if mma:  # tensor cores: the last kernel, the format's tiles of 16 rows a block; dp4a's M-tiles before
                 *gemms, t = gemms  # it unless it takes all M
-                assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE[f.name], qgemv.MMA_STAGES, True)
+                assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True)
                 assert t.rows_per_block() == 16 * qgemv.MMA_TILES[f.name]
             dp4a = [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
             assert [t.mt for t in gemms] == dp4a

@@ -39,9 +39,8 @@ MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), 
 # against 67; M=23 82 against 91; M=32 94 against 129). Q6_K's fragments leave no registers for two tiles at mt16
 # or for mt24 (spills): mt16 beat dp4a from M = 16 (80-84 against 96), session 10's mt24 stays ahead at M = 17 to 23
 # (106 against 120 at M = 23).
-MMA_M_TILE = {"q4_k": 16, "q6_k": 16}
+MMA_M_TILE, MMA_STAGES = 16, 2
 MMA_TILES = {"q4_k": 2, "q6_k": 1}
-MMA_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -282,7 +281,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
     if mma:
-        gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE[fmt.name], 1, MMA_STAGES, mma=True))
+        gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE, 1, MMA_STAGES, mma=True))
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks), *gemms]
 
 
