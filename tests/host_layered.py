@@ -284,6 +284,16 @@ class ActivationBf16:
         return gemm.reference(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16), self.w, "f32")
 
 
+def bf16_rounded(weights: dict) -> dict:
+    """Matrices rounded to bf16 (what the device holds), vectors as they are (fp32 on the device)."""
+    return {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v) for k, v in weights.items()}
+
+
+def draft_block(cfg, token: int) -> list[int]:
+    """A DFlash draft's input block: the last token, then mask tokens."""
+    return [token] + [cfg.mask_token_id] * (cfg.block_size - 1)
+
+
 def bf16_activations(draft_weights: dict) -> dict:
     """A DFlash draft's weights for the reference as lucegen.engine.draft_gpu multiplies them: every matrix an
     ActivationBf16, the vectors as they are."""

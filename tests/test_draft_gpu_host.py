@@ -11,7 +11,6 @@ family's unit compiled (NVRTC) for small draft shapes on every spec (tests/test_
 27B draft's with every family)."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -30,17 +29,12 @@ from lucegen.reference.ops import rope_cos_sin
 from lucegen.spec import list_specs, load_spec
 
 from host_draft import draft_on_host
-from host_layered import ActivationQuantized, QuantizedSource, bf16_activations
+from host_layered import ActivationQuantized, bf16_activations, bf16_rounded, draft_block, QuantizedSource
 
 RTOL = 1e-5
 HOST_SPEC = load_spec("h200").with_prefill(gemm="mma")  # the GEMM's arrays, not TMA descriptors, reach the host
 TARGET = tiny_config()
 DRAFT = tiny_draft_config(TARGET)
-
-
-def bf16_rounded(weights: dict) -> dict:
-    """Matrices rounded to bf16 (what the device holds), vectors as they are (fp32 on the device)."""
-    return {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v) for k, v in weights.items()}
 
 
 @pytest.fixture
@@ -54,10 +48,6 @@ def host(monkeypatch):
     yield make
     for ctx in made:
         ctx.__exit__(None, None, None)
-
-
-def block(cfg, token: int) -> list[int]:
-    return [token] + [cfg.mask_token_id] * (cfg.block_size - 1)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +75,8 @@ def test_the_forward_is_the_reference_draft_forward(host, tiny):
         if T > d.length:
             d.append_context(feats[d.length:T], np.arange(d.length, T))
         got = d.forward(token, T).numpy()
-        want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[:T], block(DRAFT, token))[1:]
+        want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET,
+                             feats[:T], draft_block(DRAFT, token))[1:]
         assert got.shape == (DRAFT.block_size - 1, TARGET.vocab_size)
         err = relative_error(got, want)
         assert err < RTOL, f"context {T}: relative error {err:.2e}"
@@ -102,7 +93,7 @@ def test_features_on_the_device_and_a_reset(host, tiny):
     from lucegen.runtime import DeviceArray
     d.append_context(DeviceArray.from_numpy(feats[20:31]), 0)  # a new sequence: its own features at 0 ..
     got = d.forward(5, 11).numpy()
-    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[20:31], block(DRAFT, 5))[1:]
+    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[20:31], draft_block(DRAFT, 5))[1:]
     assert relative_error(got, want) < RTOL
 
 
@@ -116,9 +107,10 @@ def test_past_the_window_the_draft_attends_the_last_window_tokens(host, tiny):
     assert d.n_ctx == 8
     got = d.forward(9, 21).numpy()
     positions = [*range(13, 21), *range(21, 21 + DRAFT.block_size)]
-    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[13:21], block(DRAFT, 9), positions)[1:]
+    want = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET,
+                         feats[13:21], draft_block(DRAFT, 9), positions)[1:]
     assert relative_error(got, want) < RTOL
-    full = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[:21], block(DRAFT, 9))[1:]
+    full = draft_forward(bf16_activations(draft_w), target_w, DRAFT, TARGET, feats[:21], draft_block(DRAFT, 9))[1:]
     assert relative_error(got, full) > 1e-3  # the approximation is real: the dropped rows mattered
     assert make_draft(target_w, draft_w).window == min(256, load_spec("h200").tuning.draft.window)
     assert make_draft(target_w, draft_w, max_context=100).window == 100
@@ -143,9 +135,9 @@ def test_a_quantized_embedding_and_lm_head_as_the_target_loaded_them(host):
     ref = dict(target_w)
     for name, fmt in QuantizedSource.FORMATS.items():
         ref[name] = dequantize(qgemv.encode(target_w[name], fmt), getattr(GGMLType, fmt.upper()))
-    plain = draft_forward(bf16_activations(draft_w), ref, dcfg, target, feats, block(dcfg, 17))[1:]
+    plain = draft_forward(bf16_activations(draft_w), ref, dcfg, target, feats, draft_block(dcfg, 17))[1:]
     emulated_ref = {**ref, "lm_head.weight": ActivationQuantized(ref["lm_head.weight"])}
-    emulated = draft_forward(bf16_activations(draft_w), emulated_ref, dcfg, target, feats, block(dcfg, 17))[1:]
+    emulated = draft_forward(bf16_activations(draft_w), emulated_ref, dcfg, target, feats, draft_block(dcfg, 17))[1:]
     bound = max(RTOL, 2.5 * relative_error(emulated, plain))
     assert relative_error(got, plain) < bound
     assert relative_error(got, emulated) < 1e-3  # an 8-bit step may flip where h differs in its last bits

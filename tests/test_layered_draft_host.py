@@ -10,7 +10,6 @@ generate(), plain decode steps between rounds) giving plain greedy's tokens, the
 draft; and the trained tiny pair accepting more tokens a pass than a guessing draft."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -30,17 +29,12 @@ from lucegen.spec import load_spec
 from lucegen.spec_decode.tree import ancestry
 from host_draft import (STEP_RTOL, assert_gpu_draft_speculation, assert_the_trained_pair_accepts,
                         layered_draft_on_host)
-from host_layered import after, bf16_activations, tree_case, trees
+from host_layered import after, bf16_activations, bf16_rounded, tree_case, trees
 
 CFG = tiny_config()
 SPEC = load_spec("h200").with_prefill(gemm="mma")  # the draft's GEMMs pass arrays, not TMA descriptors, to the host
 # the last layer among them: its feature is the final norm's output (HF's last hidden state)
 DRAFT = tiny_draft_config(CFG, target_layer_ids=(0, 2, CFG.num_hidden_layers - 1))
-
-
-def bf16_rounded(weights: dict) -> dict:
-    """Matrices rounded to bf16 (what the device holds), vectors as they are."""
-    return {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v) for k, v in weights.items()}
 
 
 WEIGHTS = bf16_rounded(random_weights(CFG, seed=5))

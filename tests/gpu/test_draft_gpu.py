@@ -49,7 +49,7 @@ from lucegen.reference.dflash import draft_forward, random_draft_weights
 from lucegen.reference.weights import tensor_rng
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import spec_for_current_device
-from host_layered import QuantizedSource, bf16_activations
+from host_layered import bf16_activations, bf16_rounded, draft_block, QuantizedSource
 
 pytestmark = pytest.mark.gpu
 KERNEL_RTOL, FORWARD_RTOL, ROW_RTOL = 1e-5, 1e-4, 1e-6
@@ -79,14 +79,6 @@ def poisoned(shape, dtype=np.float32) -> DeviceArray:
     a = DeviceArray.empty(shape, dtype)
     a.fill_bytes(0xFF)
     return a
-
-
-def bf16_rounded(weights: dict) -> dict:
-    return {k: (v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.ndim == 2 else v) for k, v in weights.items()}
-
-
-def block(cfg: DraftConfig, token: int) -> list[int]:
-    return [token] + [cfg.mask_token_id] * (cfg.block_size - 1)
 
 
 @pytest.fixture(scope="module")
@@ -229,14 +221,15 @@ def small(request):
 
 
 def check_forward(got, draft_w, target_w, cfg, target, feats, token, positions=None, fp32=None) -> None:
-    want = draft_forward(bf16_activations(draft_w), target_w, cfg, target, feats, block(cfg, token), positions)[1:]
-    fp32_activations = draft_forward(draft_w, target_w, cfg, target, feats, block(cfg, token), positions)[1:]
+    want = draft_forward(bf16_activations(draft_w), target_w, cfg, target,
+                         feats, draft_block(cfg, token), positions)[1:]
+    fp32_activations = draft_forward(draft_w, target_w, cfg, target, feats, draft_block(cfg, token), positions)[1:]
     err, flips = rel_err(got, want), 2.5 * relative_error(want, fp32_activations)
     assert err < max(FORWARD_RTOL, flips), f"relative error {err:.2e} against the reference on the device's weights" \
         f" (bf16 flips' bound {flips:.2e})"
     if fp32 is not None:  # the same against the fp32 weights: within what bf16 rounding alone makes
         fp32_d, fp32_t = fp32
-        exact = draft_forward(fp32_d, fp32_t, cfg, target, feats, block(cfg, token), positions)[1:]
+        exact = draft_forward(fp32_d, fp32_t, cfg, target, feats, draft_block(cfg, token), positions)[1:]
         bound = max(FORWARD_RTOL, 2.5 * relative_error(want, exact))
         assert rel_err(got, exact) < bound
 
@@ -298,9 +291,10 @@ def test_a_quantized_embedding_and_lm_head(small, root):
     ref = dict(target_w)
     for name, fmt in QuantizedSource.FORMATS.items():
         ref[name] = dequantize(qgemv.encode(target_w[name], fmt), getattr(GGMLType, fmt.upper()))
-    plain = draft_forward(bf16_activations(draft_w), ref, cfg, target, feats[:40], block(cfg, 17))[1:]
+    plain = draft_forward(bf16_activations(draft_w), ref, cfg, target, feats[:40], draft_block(cfg, 17))[1:]
     quantized_head = {**ref, "lm_head.weight": ActivationQuantized(ref["lm_head.weight"])}
-    emulated = draft_forward(bf16_activations(draft_w), quantized_head, cfg, target, feats[:40], block(cfg, 17))[1:]
+    emulated = draft_forward(bf16_activations(draft_w), quantized_head, cfg, target,
+                             feats[:40], draft_block(cfg, 17))[1:]
     assert rel_err(got, plain) < max(FORWARD_RTOL, 2.5 * relative_error(emulated, plain))
     d.free()
     weights.free()
