@@ -16,7 +16,7 @@
 //       barrier (a __syncwarp orders the ring). What is in flight no longer costs registers, and the loads keep
 //       running while the warp multiplies (the quantized formats spend far more instructions per byte than bf16).
 //
-// Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of F::dot(piece, activations)):
+// Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of its pieces' F::dot):
 // it depends on the format and K only, not on MT, ROWS, SPAN, STAGES or the grid, so the M = 1 GEMV and every M-tile
 // of the GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16
 // (8-value pieces, 256-value slices) the lanes sum in gemv_bf16's order.
@@ -160,10 +160,8 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
                 const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
                                                   : xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB + p * PIECE_XB;
 #pragma unroll
-                for (int j = 0; j < ROWS; ++j) {
-                    const float d = F::dot(pc[u][j], xm);
-                    if (use) acc[j][m] = __fadd_rn(acc[j][m], d);
-                }
+                for (int j = 0; j < ROWS; ++j)
+                    if (use) acc[j][m] = F::dot(pc[u][j], xm, acc[j][m]);
             }
         }
     }
@@ -183,7 +181,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // here a block takes TILES x 16 rows and MT activation rows (a multiple of 8), and warp w the classes 4w .. 4w+3 of
 // all of them (8 warps: the 32 classes; with 8 pieces a block, one block of each slice). For each of its pieces, row
 // tile and 8 activation rows one mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over
-// half the piece's values, for F::SPLIT), then F::term scales it in fp32 and the class's sum takes it, as qgemm's
+// half the piece's values, for F::SPLIT), then F::term scales it in fp32 into the class's sum, as qgemm's
 // lane does. At the end the 32 class sums of each output meet in shared memory and are added in warp_sum's
 // butterfly order.
 //
@@ -329,8 +327,8 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                     }
 #pragma unroll
                     for (int e = 0; e < 4; ++e)  // C element e: row 16 tile + g + 8 (e / 2), activation 8nt + 2t + e % 2
-                        acc[tile][c][nt][e] = __fadd_rn(acc[tile][c][nt][e],
-                                                        F::term(sc[tile][e / 2], lo[e], hi[e], meta[e % 2]));
+                        acc[tile][c][nt][e] =
+                            F::term(acc[tile][c][nt][e], sc[tile][e / 2], lo[e], hi[e], meta[e % 2]);
                 }
             }
         }

@@ -12,21 +12,27 @@
 //                       in common, made once at one of them, then each block delta bytes further (a multiple of 4),
 //   F::run(piece, r, w) the run's 8 values,
 //   F::XB               bytes of activations per block, as the products read them (below),
-//   F::dot(piece, x)    the piece's contribution to a dot product with activations x (the piece's XB / PIECES
-//                       bytes, at p XB / PIECES in the block's XB).
+//   F::dot(piece, x, acc) acc with the piece's contribution to a dot product with activations x added (the
+//                       piece's XB / PIECES bytes, at p XB / PIECES in the block's XB).
 // Per value the decode gives the bits numpy gives in quants.py, signed zeros included: fl(d * q) (Q8_0, Q4_0),
 // fl(fl(d * sc) * q) (Q6_K), fl(fl(fl(d * sc) * q) - fl(dmin * m)) (Q4_K, Q5_K; one FFMA, see FmtK4::run). The
 // _rn intrinsics pin each rounding, so --use_fast_math cannot fuse or reorder them.
 //
 // Products. bf16 rows multiply fp32 activations (XB = 32: the block's 8 floats) in fp32, in dot8_bf16's order.
 // The quantized formats multiply activations quantized to 8 bits per 32 values (XBlock, as llama.cpp's q8_1),
-// a piece (32 values: one activation block) at a time: an integer dot product u (dp4a), then in fp32
-//   t = fl(dx * fl(a * u))                     (Q8_0, Q4_0: u = sum of (q - offset) qx, a = d;
+// a piece (32 values: one activation block) at a time: an integer dot product u (dp4a), then in fp32 the sum acc
+// it goes into takes it (group_acc):
+//   acc = fl(acc + fl(dx * fl(a * u)))          (Q8_0: u = sum of q qx, a = d;
 //                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d:
 //                                               the bytes hold q, the XBlock's half sums take 32 qx back off)
-//   t = fl(dx * fl(fl(a * u) - fl(b * v)))     (Q4_K, Q5_K: u = sum of q qx, a = fl(d sc), b = fl(dmin m), v = sum of qx)
-// Every integer is exact and below 2^24, so its conversion to float is too. lucegen/kernels/qgemv.py emulates
-// this in numpy bit for bit (piece_terms).
+//   acc = fma(-b, dxv, fma(a, fl(dx * u), acc)) (the formats with mins, Q4_K, Q5_K: u = sum of q qx, a = fl(d sc),
+//                                               b = fl(dmin m); Q4_0: u = sum of q qx, a = d, b = 8 d, its offset;
+//                                               dxv = fl(dx * v), v the sum of the qx: the XBlock holds it)
+// Every integer is exact and below 2^24, so its conversion to float is too. With the fused multiply-adds the
+// formats with mins take four instructions a piece and activation row (a conversion, a multiply, two FMAs) where a
+// term fl(dx * fl(fl(a * u) - fl(b * v))) added to acc took seven. The others would save one of four: not worth
+// it, since it costs the h200 spec's dp4a Q6_K GEMM 12 bytes of spills. lucegen/kernels/qgemv.py emulates this in
+// numpy bit for bit (PieceFactors.accumulate, emulate).
 //
 // Tensor cores (Q4_K, Q6_K: F::MMA). The GEMM of a tree verify takes u from int8 mma instead of dp4a: the same
 // integer. A format then gives
@@ -37,8 +43,9 @@
 //                                      (quad: the first of the 4 lanes that hold the row, lane & ~3: they may
 //                                      pass scales round),
 //   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
-//   F::term(scale, dlo, dhi, meta)     the term t from the dots of the halves with the XBlock (meta: XBlock::meta),
-// and F::dot computes its term through the same F::term.
+//   F::term(acc, scale, dlo, dhi, meta) acc with the piece's term added, from the dots of the halves with the
+//                                      XBlock (meta: XBlock::meta),
+// and F::dot adds its term through the same F::term.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -109,16 +116,17 @@ __device__ __forceinline__ float dot8(const float (&w)[8], f32x8 x) {
 }
 
 // ---- activations quantized per 32 values ----------------------------------------------------------------------
-// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), the sum of the 32 qx (Q4_0's offset
-// and the K-quants' mins multiply it) and the sums of each half of 16 (Q6_K's offset of 32 multiplies them: its two
-// scales split a piece in halves). 48 bytes, so that a row of them is whole 16-byte words. (A block whose max|x| is
-// below 2^-119 has a subnormal dx, flushed to 0 under --use_fast_math: its qx are 0, not numpy's.)
+// qx = rint(x * fl(1 / dx)) with dx = fl(max|x| / 127) (qx = 0 where dx = 0), fl(dx * v) for v the sum of the 32
+// qx (the K-quants' mins multiply it) and the sums of each half of 16 (Q6_K's offset of 32 multiplies them: its two
+// scales split a piece in halves; together they are v, which Q4_0's offset multiplies). 48 bytes, so that a row of
+// them is whole 16-byte words. (A block whose max|x| is below 2^-119 has a subnormal dx, flushed to 0 under
+// --use_fast_math: its qx are 0, not numpy's.)
 struct alignas(16) XBlock {
     int q[8];  // 32 int8, little-endian in 8 words
     float d;
-    int s;     // qx[0] + ... + qx[31]
+    float dv;  // fl(d * (qx[0] + ... + qx[31]))
     int h[2];  // qx[0] + ... + qx[15], qx[16] + ... + qx[31]
-    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, s, h[0], h[1]}.
+    // Vector loads: qx words 4i .. 4i+3, words 2i, 2i+1, and {d's bits, dv's bits, h[0], h[1]}.
     __device__ int4 quad(int i) const { return reinterpret_cast<const int4*>(q)[i]; }
     __device__ int2 pair(int i) const { return reinterpret_cast<const int2*>(q)[i]; }
     __device__ int4 meta() const { return *reinterpret_cast<const int4*>(&d); }
@@ -151,7 +159,7 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
         }
         b.q[w] = static_cast<int>(word);
     }
-    b.s = b.h[0] + b.h[1];
+    b.dv = __fmul_rn(b.d, static_cast<float>(b.h[0] + b.h[1]));
     return b;
 }
 
@@ -165,12 +173,13 @@ __device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[
 }
 __device__ __forceinline__ int dot_words(const unsigned (&w)[4], int4 x) { return dot_words(w, {x.x, x.y, x.z, x.w}); }
 
-// t = fl(dx * fl(a * u)) and t = fl(dx * fl(fl(a * u) - fl(b * v))): a group's contribution (see the top).
-__device__ __forceinline__ float group_term(float dx, float a, int u) {
-    return __fmul_rn(dx, __fmul_rn(a, static_cast<float>(u)));
+// acc = fl(acc + fl(dx * fl(a * u))) and acc = fma(-b, dxv, fma(a, fl(dx * u), acc)): a group added to a sum (see
+// the top).
+__device__ __forceinline__ float group_acc(float acc, float dx, float a, int u) {
+    return __fadd_rn(acc, __fmul_rn(dx, __fmul_rn(a, static_cast<float>(u))));
 }
-__device__ __forceinline__ float group_term(float dx, float a, int u, float b, int v) {
-    return __fmul_rn(dx, __fsub_rn(__fmul_rn(a, static_cast<float>(u)), __fmul_rn(b, static_cast<float>(v))));
+__device__ __forceinline__ float group_acc(float acc, float dx, float a, int u, float b, float dxv) {
+    return __fmaf_rn(-b, dxv, __fmaf_rn(a, __fmul_rn(dx, static_cast<float>(u)), acc));
 }
 
 // F::Lane of the formats that need nothing more than the block and the piece.
@@ -200,11 +209,11 @@ struct FmtBf16 {
         }
     }
     static constexpr int XB = 32;
-    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+    __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         float w[8];
         run(pc, 0, w);
         const float4* x = reinterpret_cast<const float4*>(xb);
-        return dot8(w, f32x8{x[0], x[1]});
+        return __fadd_rn(acc, dot8(w, f32x8{x[0], x[1]}));
     }
 };
 
@@ -232,10 +241,10 @@ struct FmtQ8_0 {
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 128.f), pc.d);
     }
     static constexpr int XB = sizeof(XBlock);
-    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block
+    __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {  // one group: the block
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
-        return group_term(x.d, pc.d, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)));
+        return group_acc(acc, x.d, pc.d, dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)));
     }
 };
 
@@ -265,14 +274,14 @@ struct FmtQ4_0 {
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.d, byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 8.f));
     }
     static constexpr int XB = sizeof(XBlock);
-    __device__ static float dot(const Piece& pc, const unsigned char* xb) {  // one group: the block, q - 8
+    // One group: the block. The offset of 8 as a min: d (q - 8) = d q - 8 d, and 8 d is exact.
+    __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         unsigned lo[4], hi[4];  // values 0-15, 16-31
 #pragma unroll
         for (int i = 0; i < 4; ++i) lo[i] = pc.q[i] & 0x0F0F0F0Fu, hi[i] = (pc.q[i] >> 4) & 0x0F0F0F0Fu;
-        const int4 meta = x.meta();
-        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1)) - 8 * meta.y;
-        return group_term(__int_as_float(meta.x), pc.d, u);
+        const int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
+        return group_acc(acc, x.d, pc.d, u, __fmul_rn(8.f, pc.d), x.dv);
     }
 };
 
@@ -350,18 +359,18 @@ struct FmtK4 {
         float ds, dm;
     };
     static constexpr bool SPLIT = false;
-    __device__ static float term(const Scale& sc, int dlo, int dhi, const int4& meta) {
-        return group_term(__int_as_float(meta.x), sc.ds, dlo + dhi, sc.dm, meta.y);
+    __device__ static float term(float acc, const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return group_acc(acc, __int_as_float(meta.x), sc.ds, dlo + dhi, sc.dm, __int_as_float(meta.y));
     }
     // One group: the sub-block, with its activation block. u = the sum of q qx; for Q4_K's odd pieces the bytes are
-    // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly.
-    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+    // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly (v: the XBlock's half sums).
+    __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
         const int4 meta = x.meta();
         int u = dot_words(lo, x.quad(0)) + dot_words(hi, x.quad(1));
-        if (high(pc)) u = (u + 128 * meta.y) >> 4;
-        return term({pc.ds, pc.dm}, u, 0, meta);
+        if (high(pc)) u = (u + 128 * (meta.z + meta.w)) >> 4;
+        return term(acc, {pc.ds, pc.dm}, u, 0, meta);
     }
     // Tensor cores (Q4_K): value 4t + i of piece p is nibble p % 2 of qs byte 32 (p / 2) + 4t + i. Quad q (pieces
     // 4q .. 4q+3) of a block: the words at 4t and 16 + 4t of qs bytes 64q .. 64q+63, and the scales of piece 4q + t,
@@ -460,13 +469,14 @@ struct FmtQ6_K {
     // (|sc u| <= 128 * 16 * 32 * 127 each, so u stays below 2^24): u = sc0 u0 + sc1 u1, weight scale d. The bytes
     // are q, not q - 32 (0 .. 63: the same as signed bytes), so a half's dot is u0 + 32 (qx[0] + ... + qx[15]): the
     // XBlock's half sums take the 32 back off, and u0, u1, u are the same integers.
-    __device__ static float term(const Scale& sc, int dlo, int dhi, const int4& meta) {
-        return group_term(__int_as_float(meta.x), sc.d, sc.sc[0] * (dlo - 32 * meta.z) + sc.sc[1] * (dhi - 32 * meta.w));
+    __device__ static float term(float acc, const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return group_acc(acc, __int_as_float(meta.x), sc.d,
+                         sc.sc[0] * (dlo - 32 * meta.z) + sc.sc[1] * (dhi - 32 * meta.w));
     }
-    __device__ static float dot(const Piece& pc, const unsigned char* xb) {
+    __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
-        return term({{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)), x.meta());
+        return term(acc, {{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)), x.meta());
     }
     // Tensor cores: value 4t + i of piece p (half h, k as above) is ql[64h + 32 (k % 2) + 4t + i]'s nibble k / 2 and
     // bits 2k, 2k + 1 of qh[32h + 4t + i]. Quad q = half h: the words at 4t and 16 + 4t of ql bytes 64h .. 64h+63

@@ -230,8 +230,9 @@ HOST_MAIN = r"""
 using namespace lucegen;
 // argv: rows k offset in out [xin]. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
 // boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
-// defined): each piece's F::dot with them instead, [rows, pieces], its bytes loaded as qgemv's loop does
-// (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on the floats of `in`.
+// defined): each row's sum from 0 through F::dot with them, piece by piece in K order, after each piece, [rows,
+// pieces], its bytes loaded as qgemv's loop does (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on
+// the floats of `in`.
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / F::BLOCK_VALUES * F::PIECES;
     const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
@@ -250,15 +251,17 @@ template <class F> void dequant(const unsigned char* w, float* out, long n, int 
 template <class F> long dot(const unsigned char* w, const unsigned char* xb, float* out, long n, int k) {
     const int pieces = k / F::BLOCK_VALUES * F::PIECES;
     const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
-    for (long r = 0; r < n; ++r)
+    for (long r = 0; r < n; ++r) {
+        float acc = 0.f;
         for (int t = 0; t < pieces; ++t) {
             const int b = t / F::PIECES, p = t % F::PIECES;
             // as qgemv.cuh's loop reads them: F::lane made once at the row's first block of b's parity (the same
             // address mod 4), then a block a multiple of 4 bytes further; dot with the piece's activations
             const auto lane = F::lane(w + r * row + static_cast<long>(b % 2) * F::BLOCK_BYTES, p);
             const auto pc = F::load(lane, static_cast<long long>(b - b % 2) * F::BLOCK_BYTES);
-            out[r * pieces + t] = F::dot(pc, xb + b * F::XB + p * (F::XB / F::PIECES));
+            out[r * pieces + t] = acc = F::dot(pc, xb + b * F::XB + p * (F::XB / F::PIECES), acc);
         }
+    }
     return n * pieces;
 }
 #endif
@@ -387,17 +390,17 @@ def test_activation_quantization_worked_by_hand():
     assert dx.tolist() == [[2.0, 0.0]]
     assert q[0, :4].tolist() == [127, -64, 0, 1] and q[0, 16:18].tolist() == [2, 2] and not q[0, 32:].any()
     assert sums.tolist() == [[68, 0]]
-    # the XBlock bytes: 32 int8, dx, the sum, the sums of each 16 (Q6_K's halves): 64 + 4, and 0 + 0
+    # the XBlock bytes: 32 int8, dx, dx times the sum, the sums of each 16 (Q6_K's halves): 64 + 4, and 0 + 0
     b = qgemv.xblocks(x).reshape(2, qgemv.XBLOCK_BYTES)
     assert b[:, :32].view(np.int8)[0, :4].tolist() == [127, -64, 0, 1]
-    assert b[:, 32:36].copy().view("<f4").ravel().tolist() == [2.0, 0.0]
-    assert b[:, 36:48].copy().view("<i4").tolist() == [[68, 64, 4], [0, 0, 0]]
+    assert b[:, 32:40].copy().view("<f4").tolist() == [[2.0, 136.0], [0.0, 0.0]]
+    assert b[:, 40:48].copy().view("<i4").tolist() == [[64, 4], [0, 0]]
 
 
 @settings(max_examples=60, deadline=None)
 @given(fmt=st.sampled_from([f for f in sorted(qgemv.FORMATS) if f != "bf16"]), n=st.integers(1, 3),
        blocks=st.integers(1, 5), offset=st.sampled_from([0, 2, 6, 14]), seed=st.integers(0, 2**32 - 1))
-def test_device_products_are_bit_equal_to_piece_terms(host_decoders, tmp_path_factory, fmt, n, blocks, offset, seed):
+def test_device_products_are_bit_equal_to_numpy(host_decoders, tmp_path_factory, fmt, n, blocks, offset, seed):
     f = qgemv.fmt_of(fmt)
     if f.aligned16:
         offset = 0
@@ -409,7 +412,11 @@ def test_device_products_are_bit_equal_to_piece_terms(host_decoders, tmp_path_fa
     subprocess.run([str(host_decoders[fmt]), str(n), str(k), str(offset), str(d / "in.bin"), str(d / "out.bin"),
                     str(d / "x.bin")], check=True)
     ours = np.fromfile(d / "out.bin", np.float32).reshape(n, -1)
-    np.testing.assert_array_equal(ours.view(np.uint32), qgemv.piece_terms(raw, fmt, x)[0].view(np.uint32))
+    pf, acc, want = qgemv.piece_factors(raw, fmt, x), np.zeros((1, n), np.float32), []
+    for t in range(ours.shape[1]):  # one sum through every piece of the row, in K order
+        acc = pf.accumulate(acc, t)
+        want.append(acc[0])
+    np.testing.assert_array_equal(ours.view(np.uint32), np.stack(want, axis=1).view(np.uint32))
 
 
 @settings(max_examples=40, deadline=None)
@@ -419,7 +426,7 @@ def test_quantized_products_stay_within_the_quantization_bound(fmt, n, blocks, m
     k = blocks * qgemv.fmt_of(fmt).block_values
     raw, x = draw_rows(fmt, n, k, seed), draw_x(m, k, seed + 1)
     exact = qgemv.reference(raw, fmt, x)
-    ours = qgemv.piece_terms(raw, fmt, x).sum(axis=-1, dtype=np.float64)
+    ours = qgemv.emulate(raw, fmt, x).astype(np.float64)
     bound = qgemv.quantization_bound(raw, fmt, x)
     assert (np.abs(ours - exact) <= bound).all()
     # and the bound is not vacuous: about sum |w| max|x of its block| / 254 (8-bit activations), not more than / 200

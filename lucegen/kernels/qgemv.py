@@ -5,9 +5,9 @@ W is stored exactly as in the GGUF file (lucegen.model.quants' layouts; bf16 as 
 into registers, and multiply it into an M-tile of activation rows (read through L1): MT = 1 for the decode GEMV,
 spec.tuning.qgemv.gemm_m_tile for the GEMM of a tree verify. bf16 rows multiply fp32 activations
 in fp32. The quantized formats multiply activations quantized to 8 bits per 32 values (quantize_x, as llama.cpp's
-q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values in fp32 in a
-fixed order (quant.cuh's top comment): piece_terms emulates that in numpy bit for bit, and quantization_bound bounds
-its distance from the exact product. Why: decoding every weight to fp32 and multiplying it with an FMA per
+q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values into its
+lane's fp32 sum with fused multiply-adds, in a fixed order (quant.cuh's top comment): emulate gives the kernels' Y
+in numpy bit for bit, and quantization_bound bounds its distance from the exact product. Why: decoding every weight to fp32 and multiplying it with an FMA per
 activation row is bound by arithmetic, not bytes, from M = 1 on an H200 (21% of the read rate for Q4_K); dp4a
 does four products in one instruction, on bytes that need no conversion.
 
@@ -128,8 +128,8 @@ def reference(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
 
 def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Activations [M, K] (K a multiple of 32) as quant.cuh's quantize_xblock makes them: per 32 values
-    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sum of the 32 qx.
-    Returns qx int32 [M, K], dx float32 [M, K/32], sums int32 [M, K/32]."""
+    dx = fl(max|x| / 127) and qx = rint(fl(x * fl(1 / dx))) (0 where dx = 0), and the sum v of the 32 qx.
+    Returns qx int32 [M, K], dx float32 [M, K/32], v int32 [M, K/32]."""
     x = np.atleast_2d(np.asarray(x, np.float32))
     m, k = x.shape
     if k % 32:
@@ -144,30 +144,31 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def xblocks(x: np.ndarray) -> np.ndarray:
     """The bytes [M, K/32 * 48] the qquant_x kernel writes for activations x (quant.cuh's XBlock: the 32 qx as
-    int8, dx, the sum of the 32 qx and the sums of qx[0:16] and qx[16:32], all little-endian)."""
+    int8, dx, fl(dx * v) for v the sum of the 32 qx, and the sums of qx[0:16] and qx[16:32], all little-endian)."""
     q, dx, sums = quantize_x(x)
     m, k = q.shape
     out = np.zeros((m, k // 32, XBLOCK_BYTES), np.uint8)
     out[..., :32] = q.astype(np.int8).view(np.uint8).reshape(m, k // 32, 32)
     out[..., 32:36] = dx.astype("<f4")[..., None].view(np.uint8)
-    out[..., 36:40] = sums.astype("<i4")[..., None].view(np.uint8)
+    out[..., 36:40] = (dx * sums.astype(np.float32)).astype("<f4")[..., None].view(np.uint8)
     halves = q.reshape(m, k // 32, 2, 16).sum(axis=-1, dtype=np.int32)  # Q6_K's two scales split a block in halves
     out[..., 40:48] = halves.astype("<i4").view(np.uint8).reshape(m, k // 32, 8)
     return out.reshape(m, -1)
 
 
 def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The weights as the integer products read them, in pieces of 32 values: q int32 [N, K] (Q4_0: q - 8;
-    Q6_K: sc * (q - 32), its int8 scale of 16 values folded in; q as stored for the formats with mins), the scale
-    of each piece float32 [N, K/32] (Q4_K, Q5_K: fl(d * sc); the others: d) and its min (Q4_K, Q5_K:
-    fl(dmin * m); None for the others)."""
+    """The weights as the integer products read them, in pieces of 32 values: q int32 [N, K] (Q6_K: sc * (q - 32),
+    its int8 scale of 16 values folded in; the others: q as stored), the scale of each piece float32 [N, K/32]
+    (Q4_K, Q5_K: fl(d * sc); the others: d) and its min (Q4_K, Q5_K: fl(dmin * m); Q4_0: 8 d, its offset; None for
+    Q8_0 and Q6_K)."""
     n = len(raw)
     blk = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, fmt.block_bytes)
     mins = None
     if fmt.ggml == GGMLType.Q8_0:
         q, scale = blk[:, 2:].view(np.int8).astype(np.int32), _half(blk[:, 0:2])
     elif fmt.ggml == GGMLType.Q4_0:
-        q, scale = np.concatenate([blk[:, 2:] & 0xF, blk[:, 2:] >> 4], axis=1).astype(np.int32) - 8, _half(blk[:, 0:2])
+        q, scale = np.concatenate([blk[:, 2:] & 0xF, blk[:, 2:] >> 4], axis=1).astype(np.int32), _half(blk[:, 0:2])
+        mins = (np.float32(8) * scale).reshape(n, -1)
     elif fmt.ggml == GGMLType.Q6_K:
         ql = blk[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
         ql = (ql & 0xF).reshape(-1, 2, 4, 32)
@@ -187,36 +188,73 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
     return q.reshape(n, -1), scale.reshape(n, -1), mins
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fl(a b + c) for float32 a, b, c, rounded once, as an fp32 FMA: a b is exact in float64, the sum with c is
+    rounded to odd there (two-sum's error tells which neighbour is odd), and rounding that to float32 then rounds
+    the exact a b + c (53 bits hold 24 + 2)."""
+    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    c = np.asarray(c, np.float64)
+    s = p + c
+    z = s - p
+    err = (p - (s - z)) + (c - z)  # p + c = s + err exactly
+    even = (s.view(np.int64) & 1) == 0
+    return np.where((err != 0) & even, np.nextafter(s, np.copysign(np.inf, err)), s).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class PieceFactors:
+    """What a quantized kernel adds into a sum per piece (32 values) of a row and an activation row (quant.cuh's
+    group_acc): acc = fma(-b, dxv, fma(a, fl(dx u), acc)) for the formats with mins, acc = fl(acc + fl(dx fl(a u)))
+    for the others. a, b float32 [N, pieces] (b None: no mins), u float32 [M, N, pieces] (exact integers),
+    dx and dxv = fl(dx v) float32 [M, pieces]."""
+    a: np.ndarray
+    b: np.ndarray | None
+    u: np.ndarray
+    dx: np.ndarray
+    dxv: np.ndarray
 
-def piece_terms(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """What each lane adds per piece in the quantized formats' kernels, bit for bit: float32 [M, N, pieces of a
-    row in K order], so that Y[m, n] is the fp32 sum of terms[m, n] (in the kernel's lane and warp order). Every
-    piece is one group of 32 values, with one activation block: t = fl(dx * fl(scale * u)), minus fl(min * v)
-    inside for the formats with mins."""
+    def accumulate(self, acc: np.ndarray, t) -> np.ndarray:
+        """acc [M, N] (t an index into the pieces) or [M, N, len(t)] (t indices) with those pieces added, as a
+        lane adds them."""
+        a, u, dx = self.a[:, t], self.u[:, :, t], self.dx[:, None, t]
+        if self.b is None:
+            return acc + dx * (a * u)
+        return fma32(-self.b[:, t], self.dxv[:, None, t], fma32(a, dx * u, acc))
+
+
+def piece_factors(raw: np.ndarray, fmt: str, x: np.ndarray) -> PieceFactors:
+    """The per-piece factors of Y = X W^T in the quantized formats' kernels (see PieceFactors)."""
     f = fmt_of(fmt)
     if not f.quantizes_x:
         raise ValueError(f"{f.name} multiplies fp32 activations: use reference()")
-    qx, dx, _ = quantize_x(x)
+    qx, dx, v = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
-    n = len(raw)
-    out = []
-    for qm, dm in zip(qx, dx):
-        u = (qw.reshape(n, -1, 32) * qm.reshape(1, -1, 32)).sum(axis=-1).astype(np.float32)  # exact: |u| < 2^24
-        t = scale * u
-        if mins is not None:  # v: the XBlock's sum of qx
-            t = t - mins * qm.reshape(-1, 32).sum(axis=-1).astype(np.float32)
-        out.append(dm * t)
-    return np.stack(out)
+    n, m = len(raw), len(qx)
+    u = np.einsum("npk,mpk->mnp", qw.reshape(n, -1, 32), qx.reshape(m, -1, 32), dtype=np.int64)
+    return PieceFactors(scale, mins, u.astype(np.float32), dx, dx * v.astype(np.float32))  # |u| < 2^24: exact
+
+
+def emulate(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+    """Y [M, N] float32 as the quantized formats' kernels compute it, bit for bit: lane l of a warp adds piece l of
+    every slice of 32 pieces (K order) into its sum (PieceFactors.accumulate; lanes past the end of a partial last
+    slice add nothing), then the 32 lane sums meet in warp_sum's butterfly."""
+    pf = piece_factors(raw, fmt, x)
+    m, n, pieces = pf.u.shape
+    acc = np.zeros((m, n, 32), np.float32)
+    for s0 in range(0, pieces, 32):
+        lanes = min(32, pieces - s0)
+        acc[..., :lanes] = pf.accumulate(acc[..., :lanes], np.arange(s0, s0 + lanes))
+    for w in (16, 8, 4, 2, 1):  # lane l < w adds lane l + w's sum
+        acc[..., :w] = acc[..., :w] + acc[..., w:2 * w]
+    return acc[..., 0]
 
 
 def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """[M, N]: a bound on |sum of piece_terms - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16)
-    (rint of fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and each term passes through
-    at most 6 fp32 roundings (fl(scale u), fl(min v), their difference, the scaling by dx, and up to two in the
-    exact product's own dequantized weight), each within 2^-24 of the magnitudes summed: (|scale q| + |min|)
-    |dx qx| per value."""
+    """[M, N]: a bound on |emulate - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16) (rint of
+    fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and the fp32 roundings, each within
+    2^-24 of the magnitudes summed so far ((|scale q| + |min|) |dx qx| per value): per piece fl(dx u), dxv's and
+    up to two in the exact product's own dequantized weight, two FMAs per slice in a lane's sum, 5 in the
+    butterfly."""
     f = fmt_of(fmt)
     qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
@@ -225,7 +263,8 @@ def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     if mins is not None:
         mag += np.abs(np.repeat(mins, 32, axis=1))
     xd = np.repeat(dx, 32, axis=1).astype(np.float64)
-    return (xd * (0.5 + 2.0**-16)) @ w.T + 6 * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
+    roundings = 4 + 2 * -(-qx.shape[1] // f.slice_values) + 5
+    return (xd * (0.5 + 2.0**-16)) @ w.T + roundings * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
 
 
 # ---- kernel shapes -------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Quantized GEMV / small-M GEMM on the GPU against numpy, on freshly drawn blocks (quantized normal values, or
 random bytes with finite fp16 scales) and activations (some 32-value blocks zero, some with an outlier): the decode
-bit for bit, the activation quantization bit for bit, Y within the fp32 summation bound of numpy's emulation of the
-kernel's terms (qgemv.piece_terms; bf16: of X W^T) and within the quantization bound of the exact X W^T, and each
-row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN) and allocated
+bit for bit, the activation quantization bit for bit, Y bit for bit numpy's emulation of the kernels' arithmetic
+(qgemv.emulate; bf16: within the fp32 summation bound of X W^T) and within the quantization bound of the exact
+X W^T, and each row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN) and allocated
 longer than the kernel may write, so a missed element and a stray write both show.
 
 Run for the GPU's own spec and for the RTX 3090 spec emulated at the GPU's arch (its M-tile, stages and grid).
@@ -80,17 +80,16 @@ def draw(fmt: str, n: int, k: int, m: int, seed: int):
 
 
 def expected(raw: np.ndarray, fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(what the kernel sums, exactly, in float64; a bound on |Y - that|). bf16: X W^T (exact decoded weights),
-    every term through at most 8 roundings in its dot8, one per later slice of its lane and 5 in the warp's
-    butterfly: (that count) * 2^-24 * |X| |W|^T. Quantized formats: the sum of the kernel's per-piece terms
-    (qgemv.piece_terms, bit-exact), each through one rounding per later slice of its lane and 5 in the butterfly."""
+    """(what the kernel computes, in float64; a bound on |Y - that|). Quantized formats: qgemv.emulate, bit for bit
+    (bound 0). bf16: X W^T (exact decoded weights), every term through at most 8 roundings in its dot8, one per
+    later slice of its lane and 5 in the warp's butterfly: (that count) * 2^-24 * |X| |W|^T."""
     f = qgemv.fmt_of(fmt)
+    if f.quantizes_x:
+        y = qgemv.emulate(raw, fmt, x).astype(np.float64)
+        return y, np.zeros_like(y)
     slices = -(-x.shape[1] // f.slice_values)
-    if not f.quantizes_x:
-        w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
-        return qgemv.reference(raw, fmt, x), (8 + slices + 5) * 2.0**-24 * (np.abs(x).astype(np.float64) @ w.T)
-    terms = qgemv.piece_terms(raw, fmt, x).astype(np.float64)
-    return terms.sum(axis=-1), (slices + 5) * 2.0**-24 * np.abs(terms).sum(axis=-1)
+    w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
+    return qgemv.reference(raw, fmt, x), (8 + slices + 5) * 2.0**-24 * (np.abs(x).astype(np.float64) @ w.T)
 
 
 @SETTINGS
