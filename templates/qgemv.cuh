@@ -228,12 +228,14 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     // Where row j starts in W (rows past N: the last row's; their outputs are dropped).
     const auto row_start = [&](int j) { return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES; };
     // This thread's copies: words cw + W_THREADS i of weight row cj's slot, words xw + X_THREADS i of activation
-    // row xm's (rows past M: the last row's; rows of n-tiles past nts: none).
+    // row xm's (rows of n-tiles past nts: none). Rows past M are zeros, read from nowhere (their outputs are
+    // dropped): copied from the last row, each copy of the same words at once cost the block ~2 us a duplicate row
+    // (measured at M = 2 .. 8 and 9: session 11's qgemm-mma-ab).
     const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
     const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
     const unsigned char* const w_row = W + row_start(cj);
     const unsigned char* const x_row = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES;
-    const bool x_copies = xm < 8 * nts;
+    const bool x_copies = xm < 8 * nts, x_real = m0 + xm < M;
     // Slice s into stage s % STAGES: each weight row's bytes from the 16-byte word holding its first, and the
     // XBlocks of the activation rows of the n-tiles in use.
     const auto issue = [&](int s) {  // every thread: its share of slice s's copies (if any); always one commit group
@@ -255,7 +257,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
             for (int i = 0; i < R::X_COPIES; ++i) {
                 const int w = xw + R::X_THREADS * i;
                 if (x_copies && 16 * w < xbytes)
-                    cp_async16(stage + R::X_STAGE + xm * R::X_SLOT + 16 * w, x_row + xs + 16 * w, true);
+                    cp_async16(stage + R::X_STAGE + xm * R::X_SLOT + 16 * w, x_row + xs + 16 * w, x_real);
             }
         }
         cp_async_commit();
