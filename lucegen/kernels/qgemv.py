@@ -451,8 +451,7 @@ class QMatmul:
                            blocks, stream=stream)
                 x = self.xq
         t = self.tuning_for(m)
-        reps = (1,) if t.mma else ()  # qgemm_mma: copies of X's XBlocks in xq
-        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, *reps, smem=t.smem(self.fmt), stream=stream)
+        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m, smem=t.smem(self.fmt), stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
         return for_rows(self.tunings, m, self.mma_from)
