@@ -215,8 +215,7 @@ struct QGemmMma {
     static constexpr int SMEM = RING > RED ? RING : RED;
 };
 
-// x holds REPS copies of the M rows' XBlocks, one after the other; row group g reads copy g % REPS.
-template <class F, int K, int MT, int TILES, int STAGES, int THREADS, int REPS = 1>
+template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
                           float* __restrict__ y, int N, int M, unsigned char* smem) {
     using R = QGemmMma<F, K, MT, TILES, STAGES, THREADS>;
@@ -235,8 +234,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
     const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
     const unsigned char* const w_row = W + row_start(cj);
-    const int copy = (blockIdx.x / mtiles) % REPS;
-    const unsigned char* const x_row = x + ((long long)copy * M + min(m0 + xm, M - 1)) * Q::X_ROW_BYTES;
+    const unsigned char* const x_row = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES;
     const bool x_copies = xm < 8 * nts, x_real = m0 + xm < M;
     // Slice s into stage s % STAGES: each weight row's bytes from the 16-byte word holding its first, and the
     // XBlocks of the activation rows of the n-tiles in use.

@@ -278,13 +278,11 @@ class Tuning:
     mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: `rows` tiles of 16 rows a block, 8 warps, a
                        # block-wide ring of `stages` slices; span unused)
     min_blocks: int = 2  # blocks an SM at least (__launch_bounds__: a register cap)
-    reps: int = 1        # mma: copies of the activations' XBlocks in x (row group g reads copy g % reps)
 
     def name(self, fmt: Format, k: int) -> str:
         floor = f"_mb{self.min_blocks}" if self.min_blocks != 2 else ""
         if self.mma:
-            copies = f"_x{self.reps}" if self.reps != 1 else ""
-            return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}{floor}{copies}"
+            return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}{floor}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
         return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}{floor}"
@@ -388,7 +386,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
                                            "span": t.span, "stages": t.stages, "threads": t.threads, "mma": t.mma,
-                                           "smem": t.smem(fmt), "min_blocks": t.min_blocks, "reps": t.reps}
+                                           "smem": t.smem(fmt), "min_blocks": t.min_blocks}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
