@@ -198,15 +198,14 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
-    static_assert(MT % 8 == 0 && MT <= THREADS, "activation rows in mma tiles of 8, a thread a row at least");
+    static_assert(MT % 8 == 0 && THREADS % MT == 0, "activation rows in mma tiles of 8, whole threads a row");
     static_assert(TILES == 1 || TILES == 2, "one or two row tiles of 16");
     static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
     using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
     static constexpr int ROWS = 16 * TILES;      // weight rows per block
     static constexpr int odd_words(int bytes) { return bytes / 16 % 2 ? bytes : bytes + 16; }
     static constexpr int W_SLOT = odd_words(Q::SLOT), X_SLOT = odd_words(Q::X_SLICE_BYTES);
-    // threads copying each row (activations: the first MT X_THREADS threads; the rest copy none at MT = 24)
-    static constexpr int W_THREADS = THREADS / ROWS, X_THREADS = THREADS / MT;
+    static constexpr int W_THREADS = THREADS / ROWS, X_THREADS = THREADS / MT;  // copying each row
     static constexpr int W_COPIES = (Q::SLOT / 16 + W_THREADS - 1) / W_THREADS;  // a thread's words of a slice
     static constexpr int X_COPIES = (Q::X_SLICE_BYTES / 16 + X_THREADS - 1) / X_THREADS;
     static constexpr int X_STAGE = ROWS * W_SLOT;  // where a stage's activations start

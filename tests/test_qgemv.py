@@ -98,11 +98,10 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             v, *gemms = qgemv.tunings(spec, f, k)
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
-            if mma:  # tensor cores: the last kernels, the format's M-tiles and tiles of 16 rows a block; dp4a's
-                kinds = qgemv.MMA_KERNELS[f.name]  # M-tiles before them unless they take all M
-                gemms, mmas = gemms[:-len(kinds)], gemms[-len(kinds):]
-                assert [(t.mt, t.rows_per_block(), t.stages, t.mma) for t in mmas] == \
-                    [(mt, 16 * tiles, qgemv.MMA_STAGES, True) for mt, tiles in kinds]
+            if mma:  # tensor cores: the last kernel, the format's tiles of 16 rows a block; dp4a's M-tiles before
+                *gemms, t = gemms  # it unless it takes all M
+                assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True)
+                assert t.rows_per_block() == 16 * qgemv.MMA_TILES[f.name]
             dp4a = [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
             assert [t.mt for t in gemms] == dp4a
             assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
@@ -125,10 +124,6 @@ def test_mma_sizes_worked_out_by_hand():
     t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
     assert t2.smem(q4k) == 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
-    # an M-tile of 24: 24 activation rows' slots a stage, copied by 10 threads each (240 of the 256)
-    t24 = qgemv.Tuning(256, 1, 24, 1, 2, mma=True)
-    assert t24.smem(q4k) == 2 * (16 * 37 * 16 + 24 * 97 * 16) > 32 * 16 * 24 * 4
-    assert t24.grid(17408, 40) == 17408 // 16 * 2
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
@@ -144,10 +139,6 @@ def test_the_mma_gemm_takes_calls_from_its_threshold():
     assert [t.mt for t in picks[:3]] == [1, 2, 8]
     assert qgemv.for_rows(kernels, 2, mma_from=2) is mma     # from the smallest GEMM
     assert qgemv.for_rows([mma], 1, mma_from=33) is mma       # the only kernel takes every call
-    # two mma M-tiles: the smallest that holds the rows, else the smallest (16-row tiles past 24 rows)
-    mma24 = qgemv.Tuning(256, 1, 24, 1, 2, mma=True)
-    kernels.append(mma24)
-    assert [qgemv.for_rows(kernels, m, mma_from=9).mt for m in (8, 9, 16, 17, 24, 25, 65)] == [8, 16, 16, 24, 24, 16, 16]
 
 
 def test_ring_sizes_worked_out_by_hand():

@@ -33,16 +33,14 @@ DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
-# qgemm_mma's kernels per format, (M-tile, row tiles a block), and its ring depth, on the spec's GEMMs; a call takes
-# the smallest M-tile that holds its rows (for_rows). Measured on the H200 (27B ffn shapes, us;
-# results/logs/h200-s11-run3-qgemm-mma-ab): Q4_K at mt16 with two row tiles (each activation fragment serves both)
-# beat dp4a and session 10's kernel (16 rows, mt24) from M = 16 (ffn_up M=16 54 against 67; M=23 82 against 91;
-# M=32 94 against 129). Q6_K's fragments leave no registers for two tiles at mt16 (spills): mt16 beat dp4a from
-# M = 16 (80-84 against 96). With the rows past M zero-filled (session 12), 17 to 24 rows in two M-tiles of 16 cost
-# ~25 us (Q4_K) and ~40 us (Q6_K) a ffn GEMM more than 16 rows: an M-tile of 24 (one row tile) takes them in one
-# pass for Q4_K (Q6_K's spills 20 bytes).
-MMA_STAGES = 2
-MMA_KERNELS = {"q4_k": ((16, 2), (24, 1)), "q6_k": ((16, 1),)}
+# qgemm_mma's M-tile and row tiles a block per format, and its ring depth, on the spec's GEMMs. Measured on the
+# H200 (27B ffn shapes, us; results/logs/h200-s11-run3-qgemm-mma-ab): Q4_K at mt16 with two row tiles (each
+# activation fragment serves both) beat dp4a and session 10's kernel (16 rows, mt24) from M = 16 (ffn_up M=16 54
+# against 67; M=23 82 against 91; M=32 94 against 129). Q6_K's fragments leave no registers for two tiles at mt16
+# or for mt24 (spills): mt16 beat dp4a from M = 16 (80-84 against 96), session 10's mt24 stays ahead at M = 17 to 23
+# (106 against 120 at M = 23).
+MMA_M_TILE, MMA_STAGES = 16, 2
+MMA_TILES = {"q4_k": 2, "q6_k": 1}
 
 
 @dataclass(frozen=True)
@@ -314,27 +312,25 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it also get the GEMM on int8 tensor cores (MMA_KERNELS, MMA_STAGES), which calls of at least
-    gemm_mma_from rows take (for_rows)."""
+    that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_TILES, MMA_STAGES), which calls of at
+    least gemm_mma_from rows take (for_rows)."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     mma = q.gemm == "mma" and fmt.mma
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
     if mma:
-        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in MMA_KERNELS[fmt.name]]
+        gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE, 1, MMA_STAGES, mma=True))
     return [Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks), *gemms]
 
 
 def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
-    """The kernel for M rows: the int8 mma GEMM where there is one and M >= mma_from (or it is the only kernel),
-    the smallest of its M-tiles that holds them, else its smallest (M-tiles of 16 beyond 24 rows, as measured);
+    """The kernel for M rows: the int8 mma GEMM where there is one and M >= mma_from (or it is the only kernel);
     else the GEMV for one row, the smallest M-tile holding them, or the largest."""
     mma = [t for t in kernels if t.mma]
     rest = [t for t in kernels if not t.mma]
     if mma and (not rest or m >= max(2, mma_from)):
-        fits = [t for t in mma if t.mt >= m]
-        return min(fits or mma, key=lambda t: t.mt)
+        return mma[0]
     fits = [t for t in rest if t.mt >= m and (m == 1 or t.mt > 1)]
     return min(fits, key=lambda t: t.mt) if fits else max(rest, key=lambda t: t.mt)
 
