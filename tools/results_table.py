@@ -62,12 +62,18 @@ def table(path: Path) -> str:
 
 # ---- plots: each returns False when the rows hold nothing for it ----------------------------------------------------
 
+def series(r: dict) -> str:
+    """The curve a row belongs to: its model, and who ran it where that is not lucegen as its spec configures it."""
+    by = run_by(r)
+    return r["model"] if by == "lucegen" else f"{r['model']} ({by})"
+
+
 def plot_speculative(rows: list[dict], ax) -> bool:
     by_model: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
         m = ACCEPT.match(r["metric"])
         if m:
-            by_model.setdefault(r["model"], {}).setdefault(m[1], []).append(
+            by_model.setdefault(series(r), {}).setdefault(m[1], []).append(
                 (r.get("accepted_length", int(m[2])), r["value"]))
     sets = [r for r in rows if PROMPT_SET.match(r["metric"]) and "accepted_length" in r]
     if not by_model and not sets:
@@ -78,7 +84,7 @@ def plot_speculative(rows: list[dict], ax) -> bool:
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{mode}, {model}")
     lengths = [p[0] for modes in by_model.values() for points in modes.values() for p in points]
     for r in rows:
-        if r["metric"] == "ar_tok_s" and r["model"] in by_model:
+        if r["metric"] == "ar_tok_s" and run_by(r) == "lucegen" and r["model"] in by_model:
             ax.axhline(r["value"], linestyle="--", color="black", linewidth=0.8, label=f"autoregressive, {r['model']}")
             span = [1.0, max(lengths)]
             ax.plot(span, [x * r["value"] for x in span], ":", color="gray",
@@ -113,7 +119,7 @@ def plot_budget(rows: list[dict], ax) -> bool:
     for r in rows:
         m = BUDGET.match(r["metric"])
         if m:
-            by_model.setdefault(r["model"], []).append((int(m[1]), r["value"], r.get("accepted_length", 0.0)))
+            by_model.setdefault(series(r), []).append((int(m[1]), r["value"], r.get("accepted_length", 0.0)))
     if not by_model:
         return False
     twin = ax.twinx()
