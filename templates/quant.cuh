@@ -476,7 +476,8 @@ struct FmtQ6_K {
     __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
-        return term(acc, {{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)), x.meta());
+        return term(acc, {{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)),
+                    x.meta());
     }
     // Tensor cores: value 4t + i of piece p (half h, k as above) is ql[64h + 32 (k % 2) + 4t + i]'s nibble k / 2 and
     // bits 2k, 2k + 1 of qh[32h + 4t + i]. Quad q = half h: the words at 4t and 16 + 4t of ql bytes 64h .. 64h+63

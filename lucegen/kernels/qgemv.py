@@ -6,10 +6,10 @@ into registers, and multiply it into an M-tile of activation rows (read through 
 spec.tuning.qgemv.gemm_m_tile for the GEMM of a tree verify. bf16 rows multiply fp32 activations
 in fp32. The quantized formats multiply activations quantized to 8 bits per 32 values (quantize_x, as llama.cpp's
 q8_1; a small kernel runs first) with integer dot products (dp4a), then scale each piece of 32 values into its
-lane's fp32 sum with fused multiply-adds, in a fixed order (quant.cuh's top comment): emulate gives the kernels' Y
-in numpy bit for bit, and quantization_bound bounds its distance from the exact product. Why: decoding every weight to fp32 and multiplying it with an FMA per
-activation row is bound by arithmetic, not bytes, from M = 1 on an H200 (21% of the read rate for Q4_K); dp4a
-does four products in one instruction, on bytes that need no conversion.
+lane's fp32 sum, in a fixed order (quant.cuh's top comment): emulate gives the kernels' Y in numpy bit for bit, and
+quantization_bound bounds its distance from the exact product. Why: decoding every weight to fp32 and multiplying
+it with an FMA per activation row is bound by arithmetic, not bytes, from M = 1 on an H200 (21% of the read rate
+for Q4_K); dp4a does four products in one instruction, on bytes that need no conversion.
 
 M is any number of rows, in M-tiles; the weights are re-read once per M-tile, by blocks that run side by side so
 that the re-reads come from L2. Every (format, K) gets a GEMV and a GEMM with the same arithmetic per output (it

@@ -2,8 +2,8 @@
 random bytes with finite fp16 scales) and activations (some 32-value blocks zero, some with an outlier): the decode
 bit for bit, the activation quantization bit for bit, Y bit for bit numpy's emulation of the kernels' arithmetic
 (qgemv.emulate; bf16: within the fp32 summation bound of X W^T) and within the quantization bound of the exact
-X W^T, and each row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN) and allocated
-longer than the kernel may write, so a missed element and a stray write both show.
+X W^T, and each row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN)
+and allocated longer than the kernel may write, so a missed element and a stray write both show.
 
 Run for the GPU's own spec and for the RTX 3090 spec emulated at the GPU's arch (its M-tile, stages and grid).
 """
