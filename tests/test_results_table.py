@@ -40,6 +40,21 @@ def test_table_keeps_the_newest_row(results):
                for line in lines)
 
 
+def test_a_variants_rows_are_a_curve_of_their_own(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [*(row(f"chain_tok_s_al{a}", "m", 10.0 * a) for a in (4, 8)),
+            *(row(f"chain_tok_s_al{a}", "m", 9.0 * a, path="a variant") for a in (4, 8))]
+    assert [results_table.series(r) for r in rows[1:3]] == ["m", "m (a variant)"]
+    fig, ax = plt.subplots()
+    assert results_table.plot_speculative(rows, ax)
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    plt.close(fig)
+    assert lines == {"chain, m": [40.0, 80.0], "chain, m (a variant)": [36.0, 72.0]}
+
+
 def test_page_with_plots(results, tmp_path):
     pytest.importorskip("matplotlib")
     text = results_table.page([results], tmp_path)
