@@ -42,7 +42,19 @@ __device__ __forceinline__ void for_each_pair(const float (&acc)[MI][NI][4], int
         }
 }
 
+// Visit the accumulators of a token-N wgmma tile (gemm_wgmma.cuh's WgmmaTokensNShape: rows are outputs, columns
+// tokens): f(token, output, value) for the warp's 16 outputs from out0 and the tile's 8J tokens from tok0.
+template <int J, class F>
+__device__ __forceinline__ void for_each_transposed(const float (&d)[J][4], int out0, int tok0, F&& f) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(tok0 + 8 * j + 2 * t + e % 2, out0 + g + 8 * (e / 2), d[j][e]);
+}
+
 // ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
+// Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (for_each_transposed).
 
 struct StoreBf16 {  // Y [M, N] bf16
     bf16* y;
@@ -50,6 +62,12 @@ struct StoreBf16 {  // Y [M, N] bf16
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
         for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
             if (r < M && c < N) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r * N + c) = __floats2bfloat162_rn(a, b);
+        });
+    }
+    template <int J>
+    __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
+        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
+            if (r < M && c < N) y[(size_t)r * N + c] = __float2bfloat16(v);
         });
     }
 };
@@ -60,6 +78,12 @@ struct StoreF32 {  // Y [M, N] fp32
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
         for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
             if (r < M && c < N) *reinterpret_cast<float2*>(y + (size_t)r * N + c) = make_float2(a, b);
+        });
+    }
+    template <int J>
+    __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
+        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
+            if (r < M && c < N) y[(size_t)r * N + c] = v;
         });
     }
 };
@@ -98,6 +122,29 @@ struct AddF32 {
                                 make_float2(old[i][h].x + a[0], old[i][h].y + a[1]);
                     }
             }
+    }    // CHUNK token columns of 8 at a time, their loads before their stores (as above)
+    template <int J>
+    __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
+        constexpr int CHUNK = J % 4 == 0 ? 4 : (J % 2 == 0 ? 2 : 1);
+        const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+        for (int j0 = 0; j0 < J; j0 += CHUNK) {
+            float old[CHUNK][4];
+#pragma unroll
+            for (int i = 0; i < CHUNK; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = tok0 + 8 * (j0 + i) + 2 * t + e % 2, c = out0 + g + 8 * (e / 2);
+                    old[i][e] = r < M && c < N ? y[(size_t)r * N + c] : 0.f;
+                }
+#pragma unroll
+            for (int i = 0; i < CHUNK; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = tok0 + 8 * (j0 + i) + 2 * t + e % 2, c = out0 + g + 8 * (e / 2);
+                    if (r < M && c < N) y[(size_t)r * N + c] = old[i][e] + d[j0 + i][e];
+                }
+        }
     }
 };
 
@@ -110,6 +157,15 @@ struct SiluMulBf16 {
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
         for_each_pair(acc, row0, col0, [&](int r, int c, float gate, float up) {
             if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
+        });
+    }    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even and g + 1): the up value comes
+    // from lane + 4, and the even-g lanes store.
+    template <int J>
+    __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
+        const bool gate = threadIdx.x % 32 / 4 % 2 == 0;
+        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
+            const float up = __shfl_xor_sync(0xffffffffu, v, 4);
+            if (gate && r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(v) * up);
         });
     }
 };

@@ -1,7 +1,8 @@
 // gemm_wgmma.cuh: Y = X W^T on Hopper's warpgroup tensor cores (sm_90a), the same contract and epilogues as gemm.cuh.
 //
-// A block computes BM x BN tiles of Y (BM = 64 per consumer warpgroup, BN = 128 per m64n128k16 column step) with
-// 1 + CONSUMERS warpgroups, one tile after another (a persistent grid, at most the blocks the SMs hold at once).
+// A block computes BM x BN tiles of Y (BM = 64 per consumer warpgroup, BN = 128 per m64n128k16 column step; or, for
+// the token-N tile, BM = TN tokens on the wgmma's N by BN = 64 weight rows per consumer) with 1 + CONSUMERS
+// warpgroups, one tile after another (a persistent grid, at most the blocks the SMs hold at once).
 // Warpgroup 0 is the producer: one thread streams BK = 64 columns of X and W per k tile through STAGES shared-memory
 // stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each stage completing on its `full`
 // mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and all BN columns, and hands the
@@ -18,8 +19,10 @@ namespace lucegen {
 
 template <int CONSUMERS_, int NT_, int STAGES_>
 struct WgmmaShape {
+    static constexpr bool TOKENS_N = false;  // X rows (tokens) are wgmma's M, W rows its N
     static constexpr int CONSUMERS = CONSUMERS_, NT = NT_, STAGES = STAGES_;
     static constexpr int BM = 64 * CONSUMERS, BN = 128 * NT, BK = 64, GROUP_M = 8;
+    static constexpr int WGMMAS = NT, WGMMA_N = 128;  // wgmma a consumer issues per 16 columns of K, and their N
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
     // 1024 bytes of slack to align the tiles for the swizzle, the stages, a full and an empty barrier per stage
@@ -28,6 +31,27 @@ struct WgmmaShape {
     // CONSUMERS x CONSUMER_REGS) <= 64K)
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static_assert(STAGES >= 2 && NT >= 1 && CONSUMERS >= 1, "wgmma GEMM tile shape");
+};
+
+// The token-N tile: BM = TN tokens (any multiple of 8 up to 256, so that a short prompt splits into tiles with
+// little padding: 520 = 3 x 176 - 8) by BN = 64 x CONSUMERS weight rows. The operands swap roles: consumer c issues
+// wgmma m64nTNk16 with its 64 W rows as A and the X tile as B, so its accumulators hold Y^T (rows: outputs, columns:
+// tokens) and the epilogue stores them transposed (the functors' `transposed`). One block an SM; the compiled
+// register budget (64K / THREADS) is moved from the producer to the consumers as in WgmmaShape.
+template <int CONSUMERS_, int TN_, int STAGES_>
+struct WgmmaTokensNShape {
+    static constexpr bool TOKENS_N = true;
+    static constexpr int CONSUMERS = CONSUMERS_, TN = TN_, STAGES = STAGES_;
+    static constexpr int BM = TN, BN = 64 * CONSUMERS, BK = 64, GROUP_M = 8;
+    static constexpr int WGMMAS = 1, WGMMA_N = TN;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
+    static constexpr int SMEM = 1024 + STAGES * STAGE + STAGES * 2 * 8;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS =
+        CONSUMERS > 1 ? ((65536 / THREADS / 8 * 8) * (1 + CONSUMERS) - PRODUCER_REGS) / CONSUMERS / 8 * 8 : 0;
+    static_assert(STAGES >= 2 && TN % 8 == 0 && TN <= 256 && CONSUMERS >= 1, "wgmma token-N tile shape");
+    static_assert(A_BYTES % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
 };
 
 // Y = X W^T by a persistent grid; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with boxes of
@@ -92,43 +116,50 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
     int it = 0;  // k tiles consumed so far, over all items
     auto consume = [&](int item) {
         const GemmWork work = gemm_work<S>(M, N, K, item, splits);
-        float acc[S::NT][1][16][4];  // the first wgmma (k tile 0, kk 0) overwrites them
+        constexpr int NT = S::WGMMAS, WN = S::WGMMA_N;
+        float acc[NT][1][WN / 8][4];  // the first wgmma (k tile 0, kk 0) overwrites them
 #pragma unroll 1
         for (int kt = 0; kt < work.k_tiles; ++kt, ++it) {
             const int s = it % S::STAGES;
             mbar_wait(&full[s], (it / S::STAGES) & 1);
-            const unsigned char* a = smem + s * S::STAGE + c * 64 * S::BK * 2;
-            const unsigned char* b = smem + s * S::STAGE + S::A_BYTES;
+            const unsigned char* x = smem + s * S::STAGE;               // the stage's X rows
+            const unsigned char* w = smem + s * S::STAGE + S::A_BYTES;  // and W rows
+            // wgmma's A: this consumer's 64 rows (of X, or of W for the token-N tile); B: all the tile's other rows
+            const unsigned char* a = (S::TOKENS_N ? w : x) + c * 64 * S::BK * 2;
+            const unsigned char* b = S::TOKENS_N ? x : w;
 #pragma unroll
-            for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
+            for (int nt = 0; nt < NT; ++nt) fence_accumulators(acc[nt][0]);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < S::BK / 16; ++kk)  // 16 columns of K = 32 bytes along a swizzled row
 #pragma unroll
-                for (int nt = 0; nt < S::NT; ++nt)
-                    wgmma_m64n128k16(acc[nt][0], smem_desc_sw128(a + kk * 32),
-                                     smem_desc_sw128(b + nt * 128 * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
+                for (int nt = 0; nt < NT; ++nt)
+                    WgmmaBf16<WN>::mma(acc[nt][0], smem_desc_sw128(a + kk * 32),
+                                          smem_desc_sw128(b + nt * WN * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
             wgmma_commit();
 #pragma unroll
-            for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
+            for (int nt = 0; nt < NT; ++nt) fence_accumulators(acc[nt][0]);
             wgmma_wait<1>();  // the wgmma of k tile kt - 1 have completed: its stage can be refilled
             if (kt > 0 && threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);
         }
         wgmma_wait<0>();
 #pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) fence_accumulators(acc[nt][0]);
+        for (int nt = 0; nt < NT; ++nt) fence_accumulators(acc[nt][0]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);  // the item's last stage
         if (item + gridDim.x >= items) launch_next_grid();  // only the epilogue is left: the next kernel may launch
         const int m0 = work.tm * S::BM, n0 = work.tn * S::BN;
-        if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the item's slot, then the tile's last item adds
+        if constexpr (S::TOKENS_N) {
+            static_assert(!IsSplitK<Epilogue>::value, "the token-N tile does not split K");
+            epilogue.transposed(acc[0][0], n0 + row, m0, M, N);
+        } else if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the item's slot, then the tile's last item adds
 #pragma unroll
-            for (int nt = 0; nt < S::NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
                 StoreF32{epilogue.partials + (size_t)item * S::BM * S::BN}(acc[nt], row, nt * 128, S::BM, S::BN);
             split_k_add<S::BM, S::BN, 128 * S::CONSUMERS, MAX_SPLITS>(work, threadIdx.x - 128, 1, epilogue.partials,
                                                                       epilogue.counters, epilogue.y, m0, n0, M, N);
         } else {
 #pragma unroll
-            for (int nt = 0; nt < S::NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
+            for (int nt = 0; nt < NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
         }
     };
     if constexpr (IsSplitK<Epilogue>::value) {

@@ -1,5 +1,5 @@
 // wgmma.cuh: Hopper (sm_90a) warpgroup tensor-core building blocks: 2-D TMA tile loads with 128-byte swizzle,
-// shared-memory matrix descriptors, wgmma.mma_async m64n128k16 in bf16 with fp32 accumulators.
+// shared-memory matrix descriptors, wgmma.mma_async m64nNk16 in bf16 with fp32 accumulators.
 //
 // Tiles are K-major (rows of 64 bf16 = 128 bytes, the K columns of one row contiguous) in the 128-byte swizzle: the
 // 16-byte chunk c of row r sits at chunk c ^ (r % 8), the layout of mma.cuh's SwizzledTile<ROWS, 64>; a tile starts
@@ -60,40 +60,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[J][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
-// d (64 x 128) = (accumulate ? d : 0) + A (64 x 16, K-major, descriptor a) B (16 x 128, stored [n][k] K-major,
-// descriptor b): both operands from shared memory, issued asynchronously by the whole warpgroup.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], unsigned long long a, unsigned long long b,
-                                                 int accumulate) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-        :
-          "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
+// d (64 x N) = (accumulate ? d : 0) + A (64 x 16, K-major, descriptor a) B (16 x N, stored [n][k] K-major,
+// descriptor b): both operands from shared memory, issued asynchronously by the whole warpgroup. N is a multiple of
+// 8 up to 256; the PTX takes one register operand per accumulator, so each N a kernel uses is specialised where it is
+// rendered (prefill_gemm.cu.j2's wgmma_bf16 macro): WgmmaBf16<N>::mma(d, a, b, accumulate), d[N / 8][4].
+template <int N>
+struct WgmmaBf16;
 
 // Registers per thread for the rest of the kernel, raised or lowered warpgroup-wide (a producer warpgroup gives
 // registers to the consumers).

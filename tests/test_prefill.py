@@ -48,7 +48,7 @@ def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
     test_prefill_kernels_compile_for_the_test_model covers the selected one."""
     result = build(spec, TINY, gemm.units(spec), root=tmp_path)
     reports = {k.name: k for k in result.kernels}
-    configs = {gemm.kernel_name(c, e): c for c in gemm.tile_configs(spec) for e in gemm.KERNEL_EPILOGUES}
+    configs = {gemm.kernel_name(c, e): c for c in gemm.tile_configs(spec) for e in gemm.kernel_epilogues(c)}
     assert reports.keys() == configs.keys()
     for name, c in configs.items():
         k = reports[name]
@@ -72,9 +72,23 @@ def test_launch_configurations_fit_every_chip(spec):
 @pytest.mark.parametrize("method", ["mma", "wgmma"])
 def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method):
     h200 = load_spec("h200").with_prefill(gemm=method)
-    large, small = gemm.tile_configs(h200)
+    large, small, *tokens_n = gemm.tile_configs(h200)
+    assert bool(tokens_n) == (method == "wgmma")  # token-N tiles are wgmma's
     assert gemm.choose(h200, 8192, 17408) == large
     assert gemm.choose(h200, 64, 1024) == small
+
+
+def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
+    """At 520 tokens (3 token tiles of 176) the 0.8B's in-projection is one wave of 176x192 tiles and its attention
+    qkv one of 176x128; at 4096 tokens the 128x256 tile takes every projection."""
+    h200, cfg = load_spec("h200"), REAL[0]
+    in_rows = cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
+    wide = gemm.choose(h200, 520, in_rows, cfg.hidden_size, "f32")
+    assert wide.tokens_n and wide.name == "wt176x192" and wide.tiles(520, in_rows) <= h200.chip.sm_count
+    qkv = gemm.choose(h200, 520, cfg.q_proj_rows + 2 * cfg.kv_dim, cfg.hidden_size, "bf16")
+    assert qkv.tokens_n and qkv.name == "wt176x128"
+    assert gemm.choose(h200, 4096, in_rows, cfg.hidden_size, "f32") == gemm.tile_configs(h200)[0]
+    assert all(gemm.splits(h200, c, 520, 1024, 2048, "add") == 1 for c in gemm.tile_configs(h200) if c.tokens_n)
 
 
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from ..runtime import Event, Graph, Stream, observe_launches
 
 QUEUED_MS = 200.0  # graph replays queued ahead of an eager pass timed kernel by kernel
-_SHAPE_PART = re.compile(r"(wg)?\d+x\d+|[hkmrst]\d+|st\d+")  # the parts of a kernel name that name a shape
+_SHAPE_PART = re.compile(r"(wg|wt)?\d+x\d+|[hkmrst]\d+|st\d+")  # the parts of a kernel name that name a shape
 
 
 def median_ms(fn: Callable[[Stream], None], stream: Stream, warmup_s: float = 0.3, repeat: int = 30) -> float:

@@ -45,6 +45,13 @@ BK = 64          # K columns per pipeline stage
 
 MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
 
+# wgmma's token-N tiles: (tokens, consumer warpgroups of 64 weight rows, relative throughput). 176 tokens: a 520-token
+# prompt is 3 tiles (1.5% padding) where 64-row tiles pad to 576 and 128-row ones to 640; 192 weight rows: the 0.8B's
+# 8224-row in-projection is 43 x 3 = 129 tiles, one wave of 132 SMs. Throughputs from the GEMMs of the 0.8B and 27B
+# at 520 tokens timed in graphs on the H200 (session 13, .lab/s13_gemm.py): 176x128 is the best tile on 5120-row
+# outputs, 176x192 on wider ones.
+TOKEN_N_TILES = ((176, 3, 1.0), (176, 2, 0.9))
+
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
     "bf16": ("StoreBf16", "bf16", "bf16 out"),
@@ -68,6 +75,7 @@ class TileConfig:
     min_blocks: int  # __launch_bounds__ blocks per SM the register allocation must allow
     efficiency: float  # relative throughput of a block's tile, for choosing between configs
     method: str = "mma"
+    tokens_n: bool = False  # wgmma with the tokens on the instruction's N: bm tokens x bn = 64 wm weight rows
 
     @property
     def threads(self) -> int:
@@ -81,38 +89,44 @@ class TileConfig:
 
     @property
     def name(self) -> str:
-        return f"{'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}"
+        return f"{'wt' if self.tokens_n else 'wg' if self.method == 'wgmma' else ''}{self.bm}x{self.bn}"
 
     def tiles(self, m: int, n: int) -> int:
         return math.ceil(m / self.bm) * math.ceil(n / self.bn)
 
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
-             min_stages: int = 2, max_stages: int = 4, method: str = "mma") -> TileConfig | None:
+             min_stages: int = 2, max_stages: int = 4, method: str = "mma", tokens_n: bool = False) -> TileConfig | None:
     """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block, or None."""
     for stages in range(max_stages, min_stages - 1, -1):
-        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method)
+        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method, tokens_n)
         if cfg.smem <= spec.chip.smem_per_block:
             return cfg
     return None
 
 
-def tile_configs(spec: ChipSpec) -> tuple[TileConfig, TileConfig]:
-    """(large, small) tile shapes for the chip and its GEMM method.
+def tile_configs(spec: ChipSpec) -> tuple[TileConfig, ...]:
+    """(large, small, *token-N) tile shapes for the chip and its GEMM method.
 
     mma: 128x256 with 8 warps where three stages fit (A100, H100, H200), else 128x128 with 4 warps; the small shape
     is 64x128 with 4 warps. Each takes as many stages (<= 4) as fit.
     wgmma: 128x256 with two consumer warpgroups (two m64n128 wgmma per 16 columns of K each) with as many stages
-    (<= 6) as fit, and 64x128 with one consumer warpgroup and 4 stages (two blocks share an SM's shared memory)."""
+    (<= 6) as fit, and 64x128 with one consumer warpgroup and 4 stages (two blocks share an SM's shared memory); then
+    the token-N tiles for short prompts (TOKEN_N_TILES: tokens x weight rows, tokens on wgmma's N, so that a prompt
+    splits into few tiles with little padding, one block an SM with as many stages as fit)."""
     if spec.tuning.prefill.gemm == "wgmma":
         large = _deepest(spec, 128, 256, 2, 1, 1, 1.0, min_stages=3, max_stages=6, method="wgmma")
         small = _deepest(spec, 64, 128, 1, 1, 2, 0.8, method="wgmma")
+        tokens_n = tuple(c for bm, consumers, eff in TOKEN_N_TILES
+                         if (c := _deepest(spec, bm, 64 * consumers, consumers, 1, 1, eff, max_stages=12,
+                                           method="wgmma", tokens_n=True)))
     else:
         large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
         small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
+        tokens_n = ()
     if large is None or small is None:
         raise ValueError(f"{spec.name}: {spec.chip.smem_per_block} bytes of shared memory per block hold no GEMM tile")
-    return large, small
+    return large, small, *tokens_n
 
 
 def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
@@ -126,7 +140,7 @@ def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str)
     the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each, tiles x slices <= one wave of resident blocks,
     which bounds the workspace) that least loads the busiest SM, the fewest on a tie."""
     tiles, wave = c.tiles(m, n), spec.chip.sm_count * c.min_blocks
-    if epilogue != "add" or tiles >= spec.chip.sm_count:
+    if epilogue != "add" or tiles >= spec.chip.sm_count or c.tokens_n:
         return 1
     most = max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE, wave // tiles))
     return min(range(1, most + 1), key=lambda s: (_waves(spec, c, m, n, s), s))
@@ -144,8 +158,9 @@ def workspace(spec: ChipSpec) -> tuple[int, int]:
     if spec.tuning.prefill.split_k <= 1:
         return 0, 0
     configs = tile_configs(spec)
-    return (max(spec.chip.sm_count * c.min_blocks * c.bm * c.bn for c in configs),
-            max(spec.chip.sm_count * c.min_blocks for c in configs))
+    split = [c for c in configs if not c.tokens_n]
+    return (max(spec.chip.sm_count * c.min_blocks * c.bm * c.bn for c in split),
+            max(spec.chip.sm_count * c.min_blocks for c in split))
 
 
 def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
@@ -181,6 +196,11 @@ def kernel_name(config: TileConfig, epilogue: str) -> str:
     return f"gemm_{config.name}_{epilogue}"
 
 
+def kernel_epilogues(config: TileConfig) -> list[str]:
+    """The epilogues config's kernels are compiled with: all, but split-K's for the token-N tiles (never split)."""
+    return [e for e in KERNEL_EPILOGUES if not (config.tokens_n and e == SPLIT_ADD)]
+
+
 def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     """One unit per chip (the model's shapes are launch arguments)."""
     configs = tile_configs(spec)
@@ -189,12 +209,13 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
         "method": method,
         "max_splits": spec.tuning.prefill.split_k,
         "configs": [dict(name=c.name, bm=c.bm, bn=c.bn, wm=c.wm, wn=c.wn, stages=c.stages, threads=c.threads,
-                         min_blocks=c.min_blocks) for c in configs],
+                         min_blocks=c.min_blocks, tokens_n=c.tokens_n) for c in configs],
+        "wgmma_ns": sorted({c.bm if c.tokens_n else 128 for c in configs}) if method == "wgmma" else [],
         "epilogues": [dict(name=e, functor=f, out=t, doc=d, split=e == SPLIT_ADD)
                       for e, (f, t, d) in KERNEL_EPILOGUES.items()],
     }
     sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
-                 for e in KERNEL_EPILOGUES)
+                 for e in kernel_epilogues(c))
     return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
 
 
@@ -226,7 +247,7 @@ class Gemm:
         self.spec = spec
         self.kernels, self.resident = {}, {}
         for c in tile_configs(spec):
-            for e in KERNEL_EPILOGUES:
+            for e in kernel_epilogues(c):
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)

@@ -149,14 +149,29 @@ def check_gemm(op, config, m: int, n: int, k: int, epilogue: str, seed: int) -> 
 
 
 @pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
-@pytest.mark.parametrize("tile", ["large", "small"])
+@SETTINGS
+@given(m=LENGTHS, n16=st.integers(1, 200), k=st.sampled_from(GEMM_KS), seed=st.integers(0, 2**32 - 1))
+def test_token_n_gemm_matches_numpy(gemms, epilogue, m, n16, k, seed):
+    """wgmma's token-N tiles (tokens on the instruction's N, the accumulators stored transposed), each of them, on
+    prompts of 1 .. 700 tokens and outputs of up to 3200 rows (partial tiles of both)."""
+    op, spec = gemms("wgmma")
+    for config in (c for c in gemm.tile_configs(spec) if c.tokens_n):
+        check_gemm(op, config, m, 16 * n16 - 2 * (seed % 8), k, epilogue, seed)
+
+
+@pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
+@pytest.mark.parametrize("tile", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("method", GEMM_METHODS)
 @pytest.mark.parametrize("m, n, k", [(4097, 2560, 1024), (1500, 10240, 192)])
 def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue, tile, m, n, k):
     """Shapes of more tiles than the SMs hold blocks at once (several waves; wgmma's persistent blocks each take
-    several tiles in turn, the next one's loads overlapping the last one's epilogue), K of 3 .. 16 k tiles."""
+    several tiles in turn, the next one's loads overlapping the last one's epilogue), K of 3 .. 16 k tiles; with
+    each tile config of the method (large, small, and wgmma's token-N tiles)."""
     op, spec = gemms(method)
-    config = gemm.tile_configs(spec)[tile == "small"]
+    configs = gemm.tile_configs(spec)
+    if tile >= len(configs):
+        pytest.skip(f"{method} has {len(configs)} tile configs")
+    config = configs[tile]
     assert config.tiles(m, n) > 2 * spec.chip.sm_count * config.min_blocks  # the test can tell
     check_gemm(op, config, m, n, k, epilogue, m + n + k)
 
