@@ -122,7 +122,8 @@ struct AddF32 {
                                 make_float2(old[i][h].x + a[0], old[i][h].y + a[1]);
                     }
             }
-    }    // CHUNK token columns of 8 at a time, their loads before their stores (as above)
+    }
+    // CHUNK token columns of 8 at a time, their loads before their stores (as above)
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
         constexpr int CHUNK = J % 4 == 0 ? 4 : (J % 2 == 0 ? 2 : 1);
@@ -158,7 +159,8 @@ struct SiluMulBf16 {
         for_each_pair(acc, row0, col0, [&](int r, int c, float gate, float up) {
             if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
         });
-    }    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even and g + 1): the up value comes
+    }
+    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even and g + 1): the up value comes
     // from lane + 4, and the even-g lanes store.
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {

@@ -17,41 +17,39 @@
 
 namespace lucegen {
 
-template <int CONSUMERS_, int NT_, int STAGES_>
-struct WgmmaShape {
-    static constexpr bool TOKENS_N = false;  // X rows (tokens) are wgmma's M, W rows its N
-    static constexpr int CONSUMERS = CONSUMERS_, NT = NT_, STAGES = STAGES_;
-    static constexpr int BM = 64 * CONSUMERS, BN = 128 * NT, BK = 64, GROUP_M = 8;
-    static constexpr int WGMMAS = NT, WGMMA_N = 128;  // wgmma a consumer issues per 16 columns of K, and their N
+// What both tile shapes share: the stages of BM X rows and BN W rows, the threads, the register split.
+template <int BM_, int BN_, int CONSUMERS_, int STAGES_>
+struct WgmmaStages {
+    static constexpr int BM = BM_, BN = BN_, BK = 64, GROUP_M = 8, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
     // 1024 bytes of slack to align the tiles for the swizzle, the stages, a full and an empty barrier per stage
     static constexpr int SMEM = 1024 + STAGES * STAGE + STAGES * 2 * 8;
-    // registers per thread after the producer gives its own to the consumers (a multiple of 8; 128 x (PRODUCER_REGS +
-    // CONSUMERS x CONSUMER_REGS) <= 64K)
-    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-    static_assert(STAGES >= 2 && NT >= 1 && CONSUMERS >= 1, "wgmma GEMM tile shape");
+    // registers per thread after the producer gives its own to the consumers: the compiled budget (64K / THREADS, a
+    // multiple of 8) of the producer warpgroup moved to the consumers (two consumers of a 384-thread block: 232)
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS =
+        CONSUMERS > 1 ? ((65536 / THREADS / 8 * 8) * (1 + CONSUMERS) - PRODUCER_REGS) / CONSUMERS / 8 * 8 : 0;
+    static_assert(STAGES >= 2 && CONSUMERS >= 1, "wgmma GEMM stages");
+    static_assert(A_BYTES % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
+};
+
+// BM = 64 tokens per consumer warpgroup (wgmma's M) by BN = 128 W rows per m64n128k16 (its N).
+template <int CONSUMERS_, int NT_, int STAGES_>
+struct WgmmaShape : WgmmaStages<64 * CONSUMERS_, 128 * NT_, CONSUMERS_, STAGES_> {
+    static constexpr bool TOKENS_N = false;
+    static constexpr int WGMMAS = NT_, WGMMA_N = 128;  // wgmma a consumer issues per 16 columns of K, and their N
 };
 
 // The token-N tile: BM = TN tokens (any multiple of 8 up to 256, so that a short prompt splits into tiles with
 // little padding: 520 = 3 x 176 - 8) by BN = 64 x CONSUMERS weight rows. The operands swap roles: consumer c issues
 // wgmma m64nTNk16 with its 64 W rows as A and the X tile as B, so its accumulators hold Y^T (rows: outputs, columns:
-// tokens) and the epilogue stores them transposed (the functors' `transposed`). One block an SM; the compiled
-// register budget (64K / THREADS) is moved from the producer to the consumers as in WgmmaShape.
+// tokens) and the epilogue stores them transposed (the functors' `transposed`).
 template <int CONSUMERS_, int TN_, int STAGES_>
-struct WgmmaTokensNShape {
+struct WgmmaTokensNShape : WgmmaStages<TN_, 64 * CONSUMERS_, CONSUMERS_, STAGES_> {
     static constexpr bool TOKENS_N = true;
-    static constexpr int CONSUMERS = CONSUMERS_, TN = TN_, STAGES = STAGES_;
-    static constexpr int BM = TN, BN = 64 * CONSUMERS, BK = 64, GROUP_M = 8;
-    static constexpr int WGMMAS = 1, WGMMA_N = TN;
-    static constexpr int THREADS = 128 * (1 + CONSUMERS);
-    static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE = A_BYTES + B_BYTES;
-    static constexpr int SMEM = 1024 + STAGES * STAGE + STAGES * 2 * 8;
-    static constexpr int PRODUCER_REGS = 40;
-    static constexpr int CONSUMER_REGS =
-        CONSUMERS > 1 ? ((65536 / THREADS / 8 * 8) * (1 + CONSUMERS) - PRODUCER_REGS) / CONSUMERS / 8 * 8 : 0;
-    static_assert(STAGES >= 2 && TN % 8 == 0 && TN <= 256 && CONSUMERS >= 1, "wgmma token-N tile shape");
-    static_assert(A_BYTES % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
+    static constexpr int WGMMAS = 1, WGMMA_N = TN_;
+    static_assert(TN_ % 8 == 0 && TN_ <= 256, "wgmma's N is a multiple of 8 up to 256");
 };
 
 // Y = X W^T by a persistent grid; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with boxes of
@@ -135,7 +133,7 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     WgmmaBf16<WN>::mma(acc[nt][0], smem_desc_sw128(a + kk * 32),
-                                          smem_desc_sw128(b + nt * WN * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
+                                       smem_desc_sw128(b + nt * WN * S::BK * 2 + kk * 32), kt > 0 || kk > 0);
             wgmma_commit();
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) fence_accumulators(acc[nt][0]);
