@@ -6,7 +6,8 @@ layers' matrix parameters x T, the LM head of the last token, and causal attenti
 query-key pairs per head), as if every layer ran on every token (the prefill runs the last layer past its mixer on
 the last token only); the DeltaNet recurrence, norms and convolutions are not counted. The achieved TFLOP/s is
 compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul 8192^3), and the GEMM shapes of
-the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes, with
+the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes (each
+over replays of a graph of 20 launches, as the prefill's graph runs them), with
 every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
 split-K for the residual adds (tuning.prefill.split_k 1 and 4). A spec with programmatic dependent launch
 (tuning.prefill.pdl) is timed without it as well. HF transformers' pp520 (eager attention, bf16) is measured beside
@@ -40,6 +41,7 @@ MODELS = ("qwen3.5-0.8b", "qwen3.5-27b")
 LENGTHS = (520, 4096, 32768)
 GEMM_TOKENS = {"qwen3.5-27b": 4096, "qwen3.5-0.8b": 520}  # models whose GEMM shapes are timed alone, at how many tokens
 MATMUL_N = 8192
+GRAPH_LAUNCHES = 20              # launches of one GEMM shape captured in a graph to time it
 BREAKDOWN_LENGTHS = (520, 4096)  # prompt lengths whose time is broken down by kernel kind, for every GEMM variant
 SPLIT_K = 4                      # the split-K variants' tuning.prefill.split_k
 
@@ -148,9 +150,46 @@ def gemm_variant(spec: ChipSpec) -> dict:
     return {"gemm": p.gemm, "split_k": p.split_k, "pdl": p.pdl}
 
 
+def torch_graph_us(m: int, n: int, k: int) -> float | None:
+    """cuBLAS bf16 (torch.matmul, bf16 out) on an m x k by k x n product: microseconds a launch, GRAPH_LAUNCHES of
+    them replayed from a torch CUDA graph; None without torch."""
+    torch = _torch()
+    if torch is None:
+        return None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # cuBLAS's workspace and heuristics settle before the capture
+        for _ in range(3):
+            torch.matmul(x, w.t(), out=y)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(GRAPH_LAUNCHES):
+            torch.matmul(x, w.t(), out=y)
+    ms = _torch_ms(graph.replay)
+    del graph, x, w, y
+    torch.cuda.empty_cache()
+    return ms * 1e3 / GRAPH_LAUNCHES
+
+
+def graph_us(launch, stream: Stream) -> float:
+    """Microseconds a launch of launch(stream), GRAPH_LAUNCHES of them captured in one graph and replayed: launch
+    gaps as in the prefill's own graph, no host time."""
+    with Graph.capture(stream) as graph:
+        for _ in range(GRAPH_LAUNCHES):
+            launch(stream)
+    synchronize()
+    us = median_ms(lambda st: graph.launch(st), stream, warmup_s=0.2, repeat=20) * 1e3 / GRAPH_LAUNCHES
+    graph.destroy()
+    return us
+
+
 def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream: Stream) -> None:
     """Each GEMM shape of the model alone, at m tokens, with each GEMM variant: our TFLOP/s against torch.matmul's on
-    the same shape."""
+    the same shape, both timed over graph replays (a single launch between events would time the host's launch too,
+    which on these few-microsecond shapes is most of it)."""
     specs = variants(spec)
     ops = [gemm.Gemm(build(s, tiny_config(), gemm.units(s)).module("prefill_gemm"), s) for s in specs]
     rng = np.random.default_rng(0)
@@ -158,14 +197,15 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
         x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32).astype(BF16))
         w = DeviceArray.from_numpy((rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(BF16))
         y = DeviceArray.zeros((m, n), np.float32)
-        peer = torch_matmul_tflops(m, n, k)
+        flop = 2.0 * m * n * k
+        peer_us = torch_graph_us(m, n, k)
+        peer = flop / peer_us / 1e6 if peer_us else None
         for s, op in zip(specs, ops):
-            ms = median_ms(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream, warmup_s=0.2, repeat=20)
-            tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
+            us = graph_us(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream)
             c = gemm.choose(s, m, n, k, epilogue)
-            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", tflops, "TFLOP/s", peer, config=c.name,
-                       splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s), epilogue=epilogue,
-                       **({"cublas_tflops": round(peer, 1)} if peer else {}))
+            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", flop / us / 1e6, "TFLOP/s", peer,
+                       config=c.name, splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s),
+                       epilogue=epilogue, us=round(us, 2), **({"cublas_tflops": round(peer, 1)} if peer else {}))
         for a in (x, w, y):
             a.free()
 
