@@ -37,3 +37,65 @@ def test_observed_launches_run_through_the_observer(monkeypatch):
     assert seen == [("k", (1, 2), "s", 0)] and len(launched) == 1  # the observer ran first, then the launch
     kernel(4, 128, 3)
     assert len(seen) == 1 and len(launched) == 2  # outside the block: launched directly
+
+
+def test_bench_gemms_times_each_shape_and_variant_over_graph_replays(monkeypatch, tmp_path):
+    """bench_gemms' plumbing without a GPU: every GEMM shape of the model with every variant of the spec is captured
+    GRAPH_LAUNCHES times into a graph, and one row per (shape, variant) records TFLOP/s from the replay's time per
+    launch, with the config the launcher picks and the microseconds."""
+    import json
+    from types import SimpleNamespace
+
+    from lucegen.bench import prefill as bench
+    from lucegen.bench.results import Recorder
+    from lucegen.spec import load_spec
+
+    launches, captured = [], []
+
+    class FakeGraph:
+        def __init__(self, stream):
+            self.n = 0
+
+        @classmethod
+        def capture(cls, stream):
+            return cls(stream)
+
+        def __enter__(self):
+            launches.clear()
+            return self
+
+        def __exit__(self, *exc):
+            captured.append(len(launches))
+
+        def launch(self, stream):
+            pass
+
+        def destroy(self):
+            pass
+
+    class FakeArray:
+        def __init__(self, *a, **k):
+            pass
+
+        def free(self):
+            pass
+
+    monkeypatch.setattr(bench, "build", lambda *a, **k: SimpleNamespace(module=lambda name: None))
+    monkeypatch.setattr(bench.gemm, "Gemm", lambda module, spec: lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(bench, "Graph", FakeGraph)
+    monkeypatch.setattr(bench, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, stream, **k: 0.2)  # 200 us a replay: 10 us a launch
+    monkeypatch.setattr(bench, "torch_graph_us", lambda m, n, k: None)
+    monkeypatch.setattr(bench.DeviceArray, "from_numpy", staticmethod(lambda a: FakeArray()))
+    monkeypatch.setattr(bench.DeviceArray, "zeros", staticmethod(lambda *a, **k: FakeArray()))
+    spec, cfg = load_spec("h200"), load_config("qwen3.5-0.8b")
+    rec = Recorder("test GPU", out=tmp_path / "r.jsonl", commit="x")
+    bench.bench_gemms(rec, spec, cfg, 520, stream=None)
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    variants, shapes = bench.variants(spec), bench.gemm_shapes(cfg)
+    assert len(rows) == len(captured) == len(variants) * len(shapes)
+    assert set(captured) == {bench.GRAPH_LAUNCHES}
+    for row in rows:
+        n, k, epilogue = shapes[row["model"].split()[1]]
+        assert row["us"] == 10.0 and row["value"] == pytest.approx(2 * 520 * n * k / 10.0 / 1e6)
+        assert row["epilogue"] == epilogue and "limit" not in row  # no peer without torch
