@@ -143,6 +143,8 @@ class PrefillTuning:
                               # 1: none, and every sum of the prefill is the same however the prompt is chunked
     pdl: bool = False         # programmatic dependent launch (sm_90+): each kernel's blocks start while the one before
                               # finishes (the GEMM's first weight tiles load then); the same arithmetic either way
+    attention_split: int = 1  # blocks (a cluster, sm_90+) sharing a query tile's keys when the attention's (query
+                              # tile, head) blocks would leave SMs idle; 1: one block walks all of a tile's keys
 
 
 @dataclass(frozen=True)
@@ -385,6 +387,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.draft.window < 64:
         _fail(source, "tuning.draft.window", f"{t.draft.window} must be at least 64 context rows")
+    if not 1 <= t.prefill.attention_split <= 8 or (t.prefill.attention_split > 1 and c.cc < 90):
+        _fail(source, "tuning.prefill.attention_split", f"{t.prefill.attention_split} must be 1, or 2 to 8 blocks of "
+              f"a cluster on sm_90 or newer (this chip is {c.arch})")
     if not 1 <= t.prefill.split_k <= 8:
         _fail(source, "tuning.prefill.split_k", f"{t.prefill.split_k} must be between 1 (no split) and 8")
     _check_topk(spec, source)

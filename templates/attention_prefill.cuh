@@ -6,7 +6,10 @@
 // at the token's position.
 // attention_prefill, one block per (64 queries, head): causal flash attention over the cache [0, start + T) with
 // mma.sync (bf16 operands, fp32 scores and accumulators), online softmax in fp32 with no T x T matrix, then the
-// output gate sigmoid(gate) and a bf16 store of the head's slice of the o_proj input.
+// output gate sigmoid(gate) and a bf16 store of the head's slice of the o_proj input. A short prompt has few query
+// tiles, and the last one walks every key tile alone: on sm_90 its keys can go to a cluster of SPLIT blocks, a span
+// each (flash-decoding's split), their partials (o, row max m, row sum l) merged through the cluster's shared
+// memory in span order.
 //
 // Layouts: qkv [T][QW] bf16, a row = [q_0 gate_0 q_1 gate_1 ... (HD each) | k (NKV HD) | v (NKV HD)];
 // KV cache [context][NKV][HD] bf16 per layer (the reference State's order); query head h reads KV head h / GROUP.
@@ -95,21 +98,84 @@ constexpr int ATTN_BM = 64, ATTN_BN = 64, ATTN_THREADS = 128;  // queries per bl
 template <class S>
 constexpr int attention_smem() { return (ATTN_BM + 2 * ATTN_BN) * S::HD * 2; }
 
-// Queries [q0, q0 + 64) of head h (absolute positions start + q0 ..) against keys [0, start + T) of its KV head.
-// Warp w owns query rows 16w .. 16w+15; a thread holds rows g and g + 8 of them (g = lane / 4).
+// A query tile's keys split over the SPLIT blocks of a cluster (sm_90 clusters; SPLIT = 1: one block, no cluster).
+// Query tile `tile` (the tiles with the most keys first: block x / SPLIT = 0 is the last tile), its key tiles
+// [j0, j1): the tile's `key_tiles` cut into SPLIT spans of ceil(key_tiles / SPLIT) (the last ones may be empty).
+struct AttnKeys {
+    int tile, j0, j1;
+};
+
+template <int SPLIT>
+__device__ __forceinline__ AttnKeys attention_keys(int block, int T, int start) {
+    const int tiles = (T + ATTN_BM - 1) / ATTN_BM, tile = tiles - 1 - block / SPLIT, rank = block % SPLIT;
+    const int key_tiles = (min(start + (tile + 1) * ATTN_BM, start + T) + ATTN_BN - 1) / ATTN_BN;
+    const int span = (key_tiles + SPLIT - 1) / SPLIT, j0 = min(rank * span, key_tiles);
+    return {tile, j0, min(j0 + span, key_tiles)};
+}
+
+// out row t of head h = o / l * sigmoid(gate), bf16, for dims d and d + 1.
 template <class S>
+__device__ __forceinline__ void attention_store(const bf16* __restrict__ qkv, bf16* __restrict__ out, int t, int h,
+                                                int d, float o0, float o1, float inv_l) {
+    const float2 gv =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD + d));
+    *reinterpret_cast<__nv_bfloat162*>(out + ((size_t)t * S::NH + h) * S::HD + d) =
+        __floats2bfloat162_rn(o0 * inv_l * sigmoid(gv.x), o1 * inv_l * sigmoid(gv.y));
+}
+
+// The cluster's blocks (sm_90): a barrier with release / acquire ordering of shared memory, and loads from the
+// shared memory of block `rank` at the address of `p` in this block's.
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned cluster_address(const void* p, int rank) {
+    unsigned a;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    return a;
+}
+
+__device__ __forceinline__ float cluster_load(unsigned a) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float4 cluster_load4(unsigned a) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
+    return v;
+}
+
+// A block's partial in its shared memory once its keys are done: o [64][HD] unnormalised, then the row max m (in
+// the base-2 units of the scores times log2(e) / sqrt(HD); -inf where the span held no visible key) and the row
+// sum l of the exponentials relative to it [64].
+template <class S>
+struct AttnPartial {
+    static constexpr int BYTES = (ATTN_BM * S::HD + 2 * ATTN_BM) * 4;
+    static_assert(BYTES <= attention_smem<S>(), "the partial fits the tiles' shared memory");
+    float* o;
+    __device__ __forceinline__ float* m() const { return o + ATTN_BM * S::HD; }
+    __device__ __forceinline__ float* l() const { return m() + ATTN_BM; }
+};
+
+// Queries [q0, q0 + 64) of head h (absolute positions start + q0 ..) against key tiles [j0, j1) of its KV head (keys
+// past start + T or the causal edge masked). Warp w owns query rows 16w .. 16w+15; a thread holds rows g and g + 8
+// of them (g = lane / 4). SPLIT = 1: the block stores the output. Else the block is rank keys.j0 / span of a
+// cluster of SPLIT taking the tile's spans: each stores its partial in its shared memory, and block r merges rows
+// r, r + SPLIT, ... from the cluster's partials in span order (the sum does not depend on which block ran first).
+template <class S, int SPLIT>
 __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                                  const bf16* __restrict__ qkv, bf16* __restrict__ out, int T, int start, int q0,
-                                  int h, unsigned char* smem) {
+                                  const bf16* __restrict__ qkv, bf16* __restrict__ out, int T, int start,
+                                  const AttnKeys& keys, int h, unsigned char* smem) {
     using QTile = SwizzledTile<ATTN_BM, S::HD>;
     using KTile = SwizzledTile<ATTN_BN, S::HD>;
     constexpr int NT = S::HD / 8, SN = ATTN_BN / 8;  // 8-column tiles of the output and of the scores
     const QTile qs{smem};
     const KTile ks{smem + QTile::BYTES}, vs{smem + QTile::BYTES + KTile::BYTES};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-    const int kvh = h / S::GROUP, kv_len = start + T;
-    const int keys = min(start + q0 + ATTN_BM, kv_len);  // the last query of the block sees keys [0, keys)
-    const int key_tiles = (keys + ATTN_BN - 1) / ATTN_BN;
+    const int q0 = keys.tile * ATTN_BM, kvh = h / S::GROUP, kv_len = start + T;
     const size_t kv_ld = (size_t)S::NKV * S::HD;
     auto load_keys = [&](KTile tile, const bf16* cache, int j) {
         load_tile_async<ATTN_BN, S::HD, ATTN_THREADS>(tile, cache + (size_t)j * ATTN_BN * kv_ld + kvh * S::HD, kv_ld,
@@ -117,7 +183,7 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
     };
     load_tile_async<ATTN_BM, S::HD, ATTN_THREADS>(qs, Q + ((size_t)q0 * S::NH + h) * S::HD, (size_t)S::NH * S::HD,
                                                   T - q0);
-    load_keys(ks, kc, 0);
+    if (keys.j0 < keys.j1) load_keys(ks, kc, keys.j0);
     cp_async_commit();
 
     const float scale = 1.4426950408889634f * rsqrtf(float(S::HD));  // log2(e) / sqrt(HD): softmax in base 2
@@ -125,7 +191,7 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
     float o[NT][4] = {}, m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f};
     const int row_pos = start + q0 + 16 * warp + gq;  // position of row g; row g + 8 is 8 further
 #pragma unroll 1
-    for (int j = 0; j < key_tiles; ++j) {
+    for (int j = keys.j0; j < keys.j1; ++j) {
         cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) have landed; every warp is done with V_{j-1}
         load_keys(vs, vc, j);
@@ -181,7 +247,7 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
 
         cp_async_wait<0>();
         __syncthreads();  // V_j has landed; every warp is done with K_j
-        if (j + 1 < key_tiles) load_keys(ks, kc, j + 1);
+        if (j + 1 < keys.j1) load_keys(ks, kc, j + 1);
         cp_async_commit();
 #pragma unroll
         for (int kt = 0; kt < ATTN_BN / 16; ++kt) {  // O += P V, P from the score registers as bf16 A fragments
@@ -199,24 +265,70 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
     }
     cp_async_wait<0>();
 
-    // out = O / l * sigmoid(gate), bf16
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float sum = l[half];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int t = q0 + 16 * warp + gq + 8 * half;
-        if (t >= T) continue;
-        const float inv = 1.f / sum;
-        const bf16* gate = qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD;
-        bf16* y = out + ((size_t)t * S::NH + h) * S::HD;
+    for (int half = 0; half < 2; ++half) {  // the rows' sums over the quad
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    }
+    if constexpr (SPLIT == 1) {  // out = O / l * sigmoid(gate), bf16
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int d = 8 * nt + 2 * tq;
-            const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + d));
-            *reinterpret_cast<__nv_bfloat162*>(y + d) = __floats2bfloat162_rn(
-                o[nt][2 * half] * inv * sigmoid(gv.x), o[nt][2 * half + 1] * inv * sigmoid(gv.y));
+        for (int half = 0; half < 2; ++half) {
+            const int t = q0 + 16 * warp + gq + 8 * half;
+            if (t >= T) continue;
+            const float inv = 1.f / l[half];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                attention_store<S>(qkv, out, t, h, 8 * nt + 2 * tq, o[nt][2 * half], o[nt][2 * half + 1], inv);
         }
+    } else {
+        __syncthreads();  // every warp is done with the tiles: the partial takes their place
+        const AttnPartial<S> mine{reinterpret_cast<float*>(smem)};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = 16 * warp + gq + 8 * half;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                *reinterpret_cast<float2*>(mine.o + r * S::HD + 8 * nt + 2 * tq) =
+                    make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+            if (tq == 0) mine.m()[r] = m[half], mine.l()[r] = l[half];
+        }
+        cluster_barrier();  // every span's partial is in its block's shared memory
+
+        // This block's rows r = rank + SPLIT i: each span's weight 2^(m_s - max) / sum, then o summed in span order.
+        constexpr int ROWS = (ATTN_BM + SPLIT - 1) / SPLIT, V4 = S::HD / 4;
+        __shared__ float weight[ROWS][SPLIT];
+        const int rank = blockIdx.x % SPLIT;
+        if (threadIdx.x < ROWS && rank + SPLIT * threadIdx.x < ATTN_BM) {
+            const int r = rank + SPLIT * threadIdx.x;
+            float ms[SPLIT], mx = neg_inf, sum = 0.f;
+#pragma unroll
+            for (int s = 0; s < SPLIT; ++s) ms[s] = cluster_load(cluster_address(mine.m() + r, s)), mx = fmaxf(mx, ms[s]);
+#pragma unroll
+            for (int s = 0; s < SPLIT; ++s) {
+                ms[s] = ms[s] == neg_inf ? 0.f : exp2f(ms[s] - mx);
+                sum += ms[s] * cluster_load(cluster_address(mine.l() + r, s));
+            }
+#pragma unroll
+            for (int s = 0; s < SPLIT; ++s) weight[threadIdx.x][s] = ms[s] / sum;
+        }
+        __syncthreads();
+#pragma unroll 2
+        for (int e = threadIdx.x; e < ROWS * V4; e += ATTN_THREADS) {
+            const int i = e / V4, r = rank + SPLIT * i, d = e % V4 * 4, t = q0 + r;
+            if (r >= ATTN_BM || t >= T) continue;
+            float4 v[SPLIT];
+#pragma unroll
+            for (int s = 0; s < SPLIT; ++s) v[s] = cluster_load4(cluster_address(mine.o + r * S::HD + d, s));
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int s = 0; s < SPLIT; ++s) {
+                const float w = weight[i][s];
+                acc.x += w * v[s].x, acc.y += w * v[s].y, acc.z += w * v[s].z, acc.w += w * v[s].w;
+            }
+            attention_store<S>(qkv, out, t, h, d, acc.x, acc.y, 1.f);
+            attention_store<S>(qkv, out, t, h, d + 2, acc.z, acc.w, 1.f);
+        }
+        cluster_barrier();  // the cluster's reads of this block's partial are done before it exits
     }
 }
 

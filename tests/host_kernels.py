@@ -198,8 +198,10 @@ class HostKernel:
             store(q.a[:T], rq)
             store(k_cache.a[start:start + T], rk)
             store(v_cache.a[start:start + T], rv)
-        elif name == "attention_prefill_causal":
+        elif name in ("attention_prefill_causal", "attention_prefill_split"):
             q, k_cache, v_cache, qkv, out, T, start = args
+            tiles = math.ceil(T / attention.BM)  # a block per query tile, or a cluster of them sharing its keys
+            assert grid[0] % tiles == 0 and (name == "attention_prefill_split") == (grid[0] > tiles)
             _, gate, _, _ = attention.split_qkv(c, qkv.a[:T])
             ref = attention.reference(c, q.a[:T], k_cache.a[:start + T], v_cache.a[:start + T], gate)
             store(rows_of(out, T, c.num_attention_heads * c.head_dim), ref)

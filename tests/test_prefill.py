@@ -13,13 +13,13 @@ from hypothesis import given, settings, strategies as st
 
 from lucegen.codegen.build import build
 from lucegen.engine.prefill import shape_problem, units
-from lucegen.kernels import conv1d, gdn, gemm
+from lucegen.kernels import attention, conv1d, gdn, gemm
 from lucegen.kernels.megakernel import pack_layer_tensor
 from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import random_weights
 from lucegen.reference.deltanet import causal_conv1d
 from lucegen.reference.ops import silu
-from lucegen.spec import all_specs, gemm_methods, list_specs, load_spec
+from lucegen.spec import SpecError, all_specs, gemm_methods, list_specs, load_spec
 from host_kernels import HostArray, HostModule, gemm_tiles, on_host, order_sensitive_gemm, split_add
 
 TINY = tiny_config(name="tiny-prefill", hidden_size=128, intermediate_size=256, head_dim=64,
@@ -287,3 +287,15 @@ def test_the_blocked_inverse_is_the_inverse(seed):
     assert not np.isnan(t).any()
     want = np.linalg.inv(np.eye(64) + a)
     assert np.abs(t - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_attention_shares_a_short_prompts_keys_over_a_cluster_where_the_spec_says():
+    """The 0.8B at 520 tokens: 9 query tiles x 8 heads leave most of the H200's SMs idle, so each tile's keys go to a
+    cluster of the spec's blocks; at 4096 tokens, and on a chip without clusters, one block a query tile."""
+    h200, cfg = load_spec("h200"), REAL[0]
+    assert h200.tuning.prefill.attention_split > 1
+    assert attention.splits(h200, cfg, 520) == h200.tuning.prefill.attention_split
+    assert attention.splits(h200, cfg, 4096) == 1
+    assert attention.splits(load_spec("rtx3090"), cfg, 520) == 1
+    with pytest.raises(SpecError, match="attention_split"):
+        load_spec("rtx3090").with_prefill(attention_split=2)

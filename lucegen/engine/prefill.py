@@ -74,7 +74,7 @@ class Prefill:
             self.conv = conv1d.Conv1dGates(modules["prefill_conv1d.cu.j2"], cfg)
             self.gdn = gdn.ChunkedDeltaRule(modules["prefill_gdn.cu.j2"], spec, cfg)
         if cfg.full_layers:
-            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], cfg)
+            self.attn = attention.Attention(modules["prefill_attention.cu.j2"], spec, cfg)
         self._allocate(self.chunk)
 
     def _allocate(self, n: int) -> None:

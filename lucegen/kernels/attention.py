@@ -78,20 +78,35 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     params = {"hd": model.head_dim, "nh": model.num_attention_heads, "nkv": model.num_key_value_heads,
               "rot": model.rotary_dim, "smem": smem(model)}
     name = f"prefill_attention_h{model.num_attention_heads}x{model.head_dim}_kv{model.num_key_value_heads}"
-    return [KernelUnit(name, "prefill_attention.cu.j2", params, (
+    split = spec.tuning.prefill.attention_split
+    params["split"] = split
+    return [KernelUnit(name + (f"_split{split}" if split > 1 else ""), "prefill_attention.cu.j2", params, (
         KernelSig("attention_prep_tokens", THREADS),
-        KernelSig("attention_prefill_causal", THREADS, dynamic_smem=smem(model))))]
+        *(KernelSig(k, THREADS, dynamic_smem=smem(model))
+          for k in ("attention_prefill_causal", "attention_prefill_split")[:2 if split > 1 else 1])))]
+
+
+def splits(spec: ChipSpec, cfg: ModelConfig, T: int) -> int:
+    """Blocks sharing each query tile's keys: the spec's attention_split where the (query tile, head) blocks are
+    fewer than the SMs (a short prompt: the last tile would walk every key tile alone while SMs idle), else 1."""
+    return spec.tuning.prefill.attention_split if math.ceil(T / BM) * cfg.num_attention_heads < spec.chip.sm_count \
+        else 1
 
 
 class Attention:
-    """prep(qkv, norms, q out, the layer's K/V cache, start) then attend(q, caches, qkv (gate), out, T, start)."""
+    """prep(qkv, norms, q out, the layer's K/V cache, start) then attend(q, caches, qkv (gate), out, T, start): one
+    block per (query tile, head), or a cluster of `splits` blocks sharing the tile's keys."""
 
-    def __init__(self, module, cfg: ModelConfig):
-        self.cfg = cfg
-        self._prep, self._attend = module.kernel("attention_prep_tokens"), module.kernel("attention_prefill_causal")
+    def __init__(self, module, spec: ChipSpec, cfg: ModelConfig):
+        self.spec, self.cfg = spec, cfg
+        self._prep = module.kernel("attention_prep_tokens")
+        self._attend = {1: module.kernel("attention_prefill_causal")}
+        if spec.tuning.prefill.attention_split > 1:
+            self._attend[spec.tuning.prefill.attention_split] = module.kernel("attention_prefill_split")
         self.smem = smem(cfg)
         if self.smem > 48 * 1024:
-            self._attend.set_max_dynamic_smem(self.smem)
+            for k in self._attend.values():
+                k.set_max_dynamic_smem(self.smem)
         self.inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg.rotary_dim, cfg.rope_theta).astype(np.float32))
 
     def prep(self, qkv, q_norm, k_norm, q, k_cache, v_cache, T: int, start: int, stream=None) -> None:
@@ -99,5 +114,6 @@ class Attention:
                    start, stream=stream)
 
     def attend(self, q, k_cache, v_cache, qkv, out, T: int, start: int, stream=None) -> None:
-        self._attend((math.ceil(T / BM), self.cfg.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out, T,
-                     start, smem=self.smem, stream=stream)
+        n = splits(self.spec, self.cfg, T)
+        self._attend[n]((n * math.ceil(T / BM), self.cfg.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out,
+                        T, start, smem=self.smem, stream=stream)

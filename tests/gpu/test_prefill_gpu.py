@@ -23,6 +23,7 @@ import sys
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -100,7 +101,7 @@ def kernels(spec, tmp_path_factory):
             cfg=cfg, gemm=gemm.Gemm(mods["prefill_gemm.cu.j2"], spec), rows=rows.Rows(mods["prefill_rows.cu.j2"], spec, cfg),
             conv=conv1d.Conv1dGates(mods["prefill_conv1d.cu.j2"], cfg),
             gdn=gdn.ChunkedDeltaRule(mods["prefill_gdn.cu.j2"], spec, cfg),
-            attn=attention.Attention(mods["prefill_attention.cu.j2"], cfg))
+            attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg))
     return get
 
 
@@ -377,10 +378,14 @@ def test_flash_attention_matches_numpy(kernels, model, T, start, sharp, seed):
     vc.fill_bytes(0xFF)
     kc.view(keys.shape).copy_from(keys)
     vc.view(values.shape).copy_from(values)
-    out = poisoned((T, nh * hd), BF16)
-    k.attn.attend(dev(q), kc, vc, dev(qkv), out, T, start)
     _, gate, _, _ = attention.split_qkv(c, qkv)
-    assert rel_err(out.numpy(), attention.reference(c, q, keys, values, gate)) < 1e-2
+    ref = attention.reference(c, q, keys, values, gate)
+    dq, dqkv = dev(q), dev(qkv)
+    for n in sorted({1, attention.splits(k.attn.spec, c, T)}):  # one block a query tile, and the cluster split
+        out = poisoned((T, nh * hd), BF16)
+        with mock.patch.object(attention, "splits", lambda *_: n):
+            k.attn.attend(dq, kc, vc, dqkv, out, T, start)
+        assert rel_err(out.numpy(), ref) < 1e-2, f"{n} blocks a query tile"
 
 
 # ---- the whole prefill -------------------------------------------------------------------------------------------
