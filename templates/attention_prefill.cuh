@@ -117,8 +117,8 @@ __device__ __forceinline__ AttnKeys attention_keys(int block, int T, int start) 
 template <class S>
 __device__ __forceinline__ void attention_store(const bf16* __restrict__ qkv, bf16* __restrict__ out, int t, int h,
                                                 int d, float o0, float o1, float inv_l) {
-    const float2 gv =
-        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD + d));
+    const bf16* gate = qkv + (size_t)t * S::QW + h * 2 * S::HD + S::HD;
+    const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + d));
     *reinterpret_cast<__nv_bfloat162*>(out + ((size_t)t * S::NH + h) * S::HD + d) =
         __floats2bfloat162_rn(o0 * inv_l * sigmoid(gv.x), o1 * inv_l * sigmoid(gv.y));
 }
@@ -302,7 +302,8 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
             const int r = rank + SPLIT * threadIdx.x;
             float ms[SPLIT], mx = neg_inf, sum = 0.f;
 #pragma unroll
-            for (int s = 0; s < SPLIT; ++s) ms[s] = cluster_load(cluster_address(mine.m() + r, s)), mx = fmaxf(mx, ms[s]);
+            for (int s = 0; s < SPLIT; ++s)
+                ms[s] = cluster_load(cluster_address(mine.m() + r, s)), mx = fmaxf(mx, ms[s]);
 #pragma unroll
             for (int s = 0; s < SPLIT; ++s) {
                 ms[s] = ms[s] == neg_inf ? 0.f : exp2f(ms[s] - mx);

@@ -75,15 +75,14 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     cannot take (shape_problem)."""
     if not model.full_layers or shape_problem(model, spec):
         return []
-    params = {"hd": model.head_dim, "nh": model.num_attention_heads, "nkv": model.num_key_value_heads,
-              "rot": model.rotary_dim, "smem": smem(model)}
-    name = f"prefill_attention_h{model.num_attention_heads}x{model.head_dim}_kv{model.num_key_value_heads}"
     split = spec.tuning.prefill.attention_split
-    params["split"] = split
+    params = {"hd": model.head_dim, "nh": model.num_attention_heads, "nkv": model.num_key_value_heads,
+              "rot": model.rotary_dim, "smem": smem(model), "split": split}
+    name = f"prefill_attention_h{model.num_attention_heads}x{model.head_dim}_kv{model.num_key_value_heads}"
+    attends = ["attention_prefill_causal"] + (["attention_prefill_split"] if split > 1 else [])
     return [KernelUnit(name + (f"_split{split}" if split > 1 else ""), "prefill_attention.cu.j2", params, (
         KernelSig("attention_prep_tokens", THREADS),
-        *(KernelSig(k, THREADS, dynamic_smem=smem(model))
-          for k in ("attention_prefill_causal", "attention_prefill_split")[:2 if split > 1 else 1])))]
+        *(KernelSig(k, THREADS, dynamic_smem=smem(model)) for k in attends)))]
 
 
 def splits(spec: ChipSpec, cfg: ModelConfig, T: int) -> int:
