@@ -143,6 +143,8 @@ class PrefillTuning:
                               # 1: none, and every sum of the prefill is the same however the prompt is chunked
     pdl: bool = False         # programmatic dependent launch (sm_90+): each kernel's blocks start while the one before
                               # finishes (the GEMM's first weight tiles load then); the same arithmetic either way
+    attention: str = "mma"    # the attention where its (query tile, head) blocks fill the SMs: mma.sync (sm_80+), or
+                              # wgmma with TMA (sm_90a, Hopper only; attention_wgmma.cuh)
     attention_split: int = 1  # blocks (a cluster, sm_90+) sharing a query tile's keys when the attention's (query
                               # tile, head) blocks would leave SMs idle; 1: one block walks all of a tile's keys
 
@@ -385,6 +387,10 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
                   f"{c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
+    if t.prefill.attention not in GEMM_METHODS:
+        _fail(source, "tuning.prefill.attention", f"{t.prefill.attention!r} is not one of {', '.join(GEMM_METHODS)}")
+    if t.prefill.attention not in gemm_methods(spec):
+        _fail(source, "tuning.prefill.attention", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.draft.window < 64:
         _fail(source, "tuning.draft.window", f"{t.draft.window} must be at least 64 context rows")
     if not 1 <= t.prefill.attention_split <= 8 or (t.prefill.attention_split > 1 and c.cc < 90):

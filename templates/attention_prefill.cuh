@@ -98,6 +98,64 @@ constexpr int ATTN_BM = 64, ATTN_BN = 64, ATTN_THREADS = 128;  // queries per bl
 template <class S>
 constexpr int attention_smem() { return (ATTN_BM + 2 * ATTN_BN) * S::HD * 2; }
 
+// log2(e) / sqrt(HD): the scores' scale, the softmax taken in base 2
+template <class S>
+__device__ __forceinline__ float attention_scale() { return 1.4426950408889634f * rsqrtf(float(S::HD)); }
+
+// One tile of 64 keys (key0 ..) against a warp's 16 query rows: s holds the thread's scores of rows g and g + 8
+// (positions row_pos and row_pos + 8; 8 columns a block, the mma.sync / wgmma accumulator layout). Keys past the
+// causal edge or the cache's end (kv_len) are masked (only where the tile reaches past first_pos, the position of
+// the block's first query, or past kv_len); then the online softmax in place: s becomes P = 2^(s scale - m), the
+// row max m and this thread's part of the row sum l are updated, and o rescaled.
+template <int NT>
+__device__ __forceinline__ void attention_softmax_tile(float (&s)[ATTN_BN / 8][4], float (&o)[NT][4], float (&m)[2],
+                                                       float (&l)[2], int key0, int first_pos, int row_pos,
+                                                       int kv_len, float scale) {
+    constexpr int SN = ATTN_BN / 8;
+    const int tq = threadIdx.x % 4;
+    const float neg_inf = -__int_as_float(0x7f800000);
+    if (key0 + ATTN_BN - 1 > first_pos || key0 + ATTN_BN > kv_len) {  // the causal edge or the cache's end
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 8 * nt + 2 * tq + e % 2, pos = row_pos + 8 * (e / 2);
+                if (key > pos || key >= kv_len) s[nt][e] = neg_inf;
+            }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // online softmax of rows g (half 0) and g + 8 (half 1)
+        float mx = neg_inf;
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[half], mx * scale);
+        const float m_use = m_new == neg_inf ? 0.f : m_new;  // a row with no visible key yet stays empty
+        const float corr = exp2f(m[half] - m_use);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const float p = exp2f(s[nt][2 * half + u] * scale - m_use);
+                s[nt][2 * half + u] = p;
+                sum += p;
+            }
+        l[half] = l[half] * corr + sum;  // this thread's columns only: the quad's partial sums add up at the end
+        m[half] = m_new;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) o[nt][2 * half] *= corr, o[nt][2 * half + 1] *= corr;
+    }
+}
+
+// P's bf16 A fragment for keys 16 kt .. 16 kt + 15 (mma.sync m16n8k16, and wgmma's A from registers) from the
+// probabilities in the score registers.
+__device__ __forceinline__ void attention_p_frag(unsigned (&a)[4], const float (&p)[ATTN_BN / 8][4], int kt) {
+    a[0] = pack_bf16(p[2 * kt][0], p[2 * kt][1]), a[1] = pack_bf16(p[2 * kt][2], p[2 * kt][3]);
+    a[2] = pack_bf16(p[2 * kt + 1][0], p[2 * kt + 1][1]), a[3] = pack_bf16(p[2 * kt + 1][2], p[2 * kt + 1][3]);
+}
+
 // A query tile's keys split over the SPLIT blocks of a cluster (sm_90 clusters; SPLIT = 1: one block, no cluster).
 // Query tile `tile` (the tiles with the most keys first: block x / SPLIT = 0 is the last tile), its key tiles
 // [j0, j1): the tile's `key_tiles` cut into SPLIT spans of ceil(key_tiles / SPLIT) (the last ones may be empty).
@@ -121,6 +179,31 @@ __device__ __forceinline__ void attention_store(const bf16* __restrict__ qkv, bf
     const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + d));
     *reinterpret_cast<__nv_bfloat162*>(out + ((size_t)t * S::NH + h) * S::HD + d) =
         __floats2bfloat162_rn(o0 * inv_l * sigmoid(gv.x), o1 * inv_l * sigmoid(gv.y));
+}
+
+// The rows' sums of exponentials over the quad of threads holding their columns.
+__device__ __forceinline__ void attention_quad_sums(float (&l)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    }
+}
+
+// out rows t and t + 8 (the thread's rows g and g + 8; those past T skipped) of head h = O / l * sigmoid(gate).
+template <class S>
+__device__ __forceinline__ void attention_store_rows(const bf16* __restrict__ qkv, bf16* __restrict__ out,
+                                                     const float (&o)[S::HD / 8][4], const float (&l)[2], int t,
+                                                     int T, int h) {
+    const int tq = threadIdx.x % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (t + 8 * half >= T) continue;
+        const float inv = 1.f / l[half];
+#pragma unroll
+        for (int nt = 0; nt < S::HD / 8; ++nt)
+            attention_store<S>(qkv, out, t + 8 * half, h, 8 * nt + 2 * tq, o[nt][2 * half], o[nt][2 * half + 1], inv);
+    }
 }
 
 // The cluster's blocks (sm_90): a barrier with release / acquire ordering of shared memory, and loads from the
@@ -186,8 +269,7 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
     if (keys.j0 < keys.j1) load_keys(ks, kc, keys.j0);
     cp_async_commit();
 
-    const float scale = 1.4426950408889634f * rsqrtf(float(S::HD));  // log2(e) / sqrt(HD): softmax in base 2
-    const float neg_inf = -__int_as_float(0x7f800000);
+    const float scale = attention_scale<S>(), neg_inf = -__int_as_float(0x7f800000);
     float o[NT][4] = {}, m[2] = {neg_inf, neg_inf}, l[2] = {0.f, 0.f};
     const int row_pos = start + q0 + 16 * warp + gq;  // position of row g; row g + 8 is 8 further
 #pragma unroll 1
@@ -210,40 +292,7 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
                 mma_bf16(s[nt], a, b0), mma_bf16(s[nt + 1], a, b1);
             }
         }
-        const int key0 = j * ATTN_BN;
-        if (key0 + ATTN_BN - 1 > start + q0 || key0 + ATTN_BN > kv_len) {  // the causal edge or the cache's end
-#pragma unroll
-            for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 8 * nt + 2 * tq + e % 2, pos = row_pos + 8 * (e / 2);
-                    if (key > pos || key >= kv_len) s[nt][e] = neg_inf;
-                }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // online softmax of rows g (half 0) and g + 8 (half 1)
-            float mx = neg_inf;
-#pragma unroll
-            for (int nt = 0; nt < SN; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[half], mx * scale);
-            const float m_use = m_new == neg_inf ? 0.f : m_new;  // a row with no visible key yet stays empty
-            const float corr = exp2f(m[half] - m_use);
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const float p = exp2f(s[nt][2 * half + u] * scale - m_use);
-                    s[nt][2 * half + u] = p;
-                    sum += p;
-                }
-            l[half] = l[half] * corr + sum;  // this thread's columns only: the quad's partial sums add up at the end
-            m[half] = m_new;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) o[nt][2 * half] *= corr, o[nt][2 * half + 1] *= corr;
-        }
+        attention_softmax_tile(s, o, m, l, j * ATTN_BN, start + q0, row_pos, kv_len, scale);
 
         cp_async_wait<0>();
         __syncthreads();  // V_j has landed; every warp is done with K_j
@@ -251,9 +300,8 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
         cp_async_commit();
 #pragma unroll
         for (int kt = 0; kt < ATTN_BN / 16; ++kt) {  // O += P V, P from the score registers as bf16 A fragments
-            const unsigned a[4] = {pack_bf16(s[2 * kt][0], s[2 * kt][1]), pack_bf16(s[2 * kt][2], s[2 * kt][3]),
-                                   pack_bf16(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                                   pack_bf16(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+            unsigned a[4];
+            attention_p_frag(a, s, kt);
 #pragma unroll
             for (int nt = 0; nt < NT; nt += 2) {
                 unsigned b[4];
@@ -265,21 +313,9 @@ __device__ void attention_prefill(const bf16* __restrict__ Q, const bf16* __rest
     }
     cp_async_wait<0>();
 
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // the rows' sums over the quad
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    }
+    attention_quad_sums(l);
     if constexpr (SPLIT == 1) {  // out = O / l * sigmoid(gate), bf16
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int t = q0 + 16 * warp + gq + 8 * half;
-            if (t >= T) continue;
-            const float inv = 1.f / l[half];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                attention_store<S>(qkv, out, t, h, 8 * nt + 2 * tq, o[nt][2 * half], o[nt][2 * half + 1], inv);
-        }
+        attention_store_rows<S>(qkv, out, o, l, q0 + 16 * warp + gq, T, h);
     } else {
         __syncthreads();  // every warp is done with the tiles: the partial takes their place
         const AttnPartial<S> mine{reinterpret_cast<float*>(smem)};

@@ -33,6 +33,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int
         : "memory");
 }
 
+// The same for a 3-D tensor map: the box at (`col`, `mid`, `row`), e.g. (head dim, head, position) of a
+// [positions][heads][head_dim] tensor with a box of 64 x 1 x rows.
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap& map, int col, int mid, int row,
+                                            unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::
+            "r"(shared_addr(dst)),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(mid), "r"(row), "r"(shared_addr(bar))
+        : "memory");
+}
+
 // Descriptor of a K-major bf16 tile in the 128-byte swizzle starting at `tile` (1024-byte aligned, or advanced from
 // such a start by a multiple of 32 bytes along K): start address / 16 in bits 0-13, leading byte offset 16 (unused
 // by swizzled K-major layouts) in 16-29, stride byte offset 1024 (from one group of 8 rows to the next) in 32-45,
@@ -40,6 +51,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int
 __device__ __forceinline__ unsigned long long smem_desc_sw128(const void* tile) {
     const unsigned long long addr = shared_addr(tile);
     return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+// Descriptor of an MN-major bf16 operand in the 128-byte swizzle (wgmma's B with imm-trans-b = 1): rows of the
+// tile are K (a row of 64 bf16 of N contiguous, swizzled as above), starting at `tile` (1024-byte aligned, or
+// advanced by whole groups of 8 rows); the next 64 columns of N start `n_stride` bytes further (leading byte offset),
+// the next 8 rows of K 1024 bytes further (stride byte offset).
+__device__ __forceinline__ unsigned long long smem_desc_sw128_mn(const void* tile, unsigned n_stride) {
+    const unsigned long long addr = shared_addr(tile);
+    return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)(n_stride >> 4) << 16) | ((1024ull >> 4) << 32) |
+           (1ull << 62);
 }
 
 // Make the accumulators' register values visible to the following wgmma (and order this warpgroup's wgmma issue).
@@ -66,6 +87,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[J][4]) {
 // rendered (prefill_gemm.cu.j2's wgmma_bf16 macro): WgmmaBf16<N>::mma(d, a, b, accumulate), d[N / 8][4].
 template <int N>
 struct WgmmaBf16;
+
+// d (64 x N) += A (64 x 16, bf16 pairs in registers, mma.sync's m16n8k16 A fragment per warp: a[0] rows g, columns
+// 2t..; a[1] rows g + 8; a[2], a[3] the same 8 columns on) B (16 x N, MN-major, descriptor b): the P V product of
+// attention, P straight from the score registers. Rendered per N like WgmmaBf16: WgmmaBf16RegA<N>::mma(d, a, b).
+template <int N>
+struct WgmmaBf16RegA;
 
 // Registers per thread for the rest of the kernel, raised or lowered warpgroup-wide (a producer warpgroup gives
 // registers to the consumers).

@@ -299,3 +299,5 @@ def test_attention_shares_a_short_prompts_keys_over_a_cluster_where_the_spec_say
     assert attention.splits(load_spec("rtx3090"), cfg, 520) == 1
     with pytest.raises(SpecError, match="attention_split"):
         load_spec("rtx3090").with_prefill(attention_split=2)
+    with pytest.raises(SpecError, match="tuning.prefill.attention"):
+        load_spec("rtx3090").with_prefill(attention="wgmma")

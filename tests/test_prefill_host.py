@@ -36,7 +36,8 @@ RTOL = 5e-2
 def host(monkeypatch):
     """(Prefill maker, DeviceWeights, reference weights) on host memory, for TINY on the H200 spec."""
     with on_host(monkeypatch):
-        spec = load_spec("h200").with_prefill(gemm="mma", split_k=1)  # host kernels stand in for mma.sync's
+        # host kernels stand in for mma.sync's
+        spec = load_spec("h200").with_prefill(gemm="mma", split_k=1, attention="mma")
         w = random_weights(TINY, seed=3)
         w = {n: a.astype(BF16).astype(np.float32) if a.ndim == 2 else a for n, a in w.items()}
         make = lambda chunk=None: Prefill(spec, TINY, chunk_tokens=chunk)

@@ -17,10 +17,12 @@ from ..reference.attention import causal_attention
 from ..reference.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, sigmoid
 from ..runtime.memory import DeviceArray
 from ..spec import ChipSpec
+from .gemm import tiled_map
 
 BM = 64       # queries per block
 BN = 64       # keys per tile
 THREADS = 128
+WGMMA_BM, WGMMA_THREADS, WGMMA_STAGES = 128, 384, 2  # attention_wgmma.cuh: a producer and two consumer warpgroups
 
 
 def split_qkv(cfg: ModelConfig, qkv: np.ndarray):
@@ -56,6 +58,11 @@ def smem(cfg: ModelConfig) -> int:
     return (BM + 2 * BN) * cfg.head_dim * 2
 
 
+def wgmma_smem(cfg: ModelConfig) -> int:
+    """attention_wgmma.cuh's AttnWgmma::SMEM: alignment slack, Q of 128 queries, the K and V stages, barriers."""
+    return 1024 + WGMMA_BM * cfg.head_dim * 2 + WGMMA_STAGES * 2 * BN * cfg.head_dim * 2 + (1 + 2 * WGMMA_STAGES) * 8
+
+
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     """Why the attention kernels cannot take this model's heads on this chip, or None."""
     hd, rot = cfg.head_dim, cfg.rotary_dim
@@ -64,9 +71,12 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     if hd % 64 or rot % (2 * e) or partner & (partner - 1):
         return (f"{cfg.name}: the attention kernels need head_dim a multiple of 64 and the RoPE pairs (rotary dim "
                 f"{rot}) a power-of-two lanes apart; got head_dim={hd}")
-    if smem(cfg) > spec.chip.smem_per_block:
-        return (f"{spec.name}: attention over head_dim {hd} needs {smem(cfg)} bytes of shared memory; a block may "
+    need = max(smem(cfg), wgmma_smem(cfg) if spec.tuning.prefill.attention == "wgmma" else 0)
+    if need > spec.chip.smem_per_block:
+        return (f"{spec.name}: attention over head_dim {hd} needs {need} bytes of shared memory; a block may "
                 f"use {spec.chip.smem_per_block}")
+    if spec.tuning.prefill.attention == "wgmma" and hd > 256:
+        return f"{spec.name}: the wgmma attention takes head_dim up to 256 (wgmma's N); got {hd}"
     return None
 
 
@@ -75,14 +85,18 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     cannot take (shape_problem)."""
     if not model.full_layers or shape_problem(model, spec):
         return []
-    split = spec.tuning.prefill.attention_split
+    split, wgmma = spec.tuning.prefill.attention_split, spec.tuning.prefill.attention == "wgmma"
     params = {"hd": model.head_dim, "nh": model.num_attention_heads, "nkv": model.num_key_value_heads,
-              "rot": model.rotary_dim, "smem": smem(model), "split": split}
+              "rot": model.rotary_dim, "smem": smem(model), "split": split, "wgmma": wgmma,
+              "wgmma_smem": wgmma_smem(model)}
     name = f"prefill_attention_h{model.num_attention_heads}x{model.head_dim}_kv{model.num_key_value_heads}"
     attends = ["attention_prefill_causal"] + (["attention_prefill_split"] if split > 1 else [])
-    return [KernelUnit(name + (f"_split{split}" if split > 1 else ""), "prefill_attention.cu.j2", params, (
-        KernelSig("attention_prep_tokens", THREADS),
-        *(KernelSig(k, THREADS, dynamic_smem=smem(model)) for k in attends)))]
+    sigs = [KernelSig("attention_prep_tokens", THREADS),
+            *(KernelSig(k, THREADS, dynamic_smem=smem(model)) for k in attends)]
+    if wgmma:
+        sigs.append(KernelSig("attention_prefill_wgmma", WGMMA_THREADS, dynamic_smem=wgmma_smem(model)))
+    return [KernelUnit(name + (f"_split{split}" if split > 1 else "") + ("_wgmma" if wgmma else ""),
+                       "prefill_attention.cu.j2", params, tuple(sigs), arch_specific=wgmma)]
 
 
 def splits(spec: ChipSpec, cfg: ModelConfig, T: int) -> int:
@@ -106,6 +120,9 @@ class Attention:
         if self.smem > 48 * 1024:
             for k in self._attend.values():
                 k.set_max_dynamic_smem(self.smem)
+        self._wgmma = module.kernel("attention_prefill_wgmma") if spec.tuning.prefill.attention == "wgmma" else None
+        if self._wgmma:
+            self._wgmma.set_max_dynamic_smem(wgmma_smem(cfg))
         self.inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg.rotary_dim, cfg.rope_theta).astype(np.float32))
 
     def prep(self, qkv, q_norm, k_norm, q, k_cache, v_cache, T: int, start: int, stream=None) -> None:
@@ -113,6 +130,14 @@ class Attention:
                    start, stream=stream)
 
     def attend(self, q, k_cache, v_cache, qkv, out, T: int, start: int, stream=None) -> None:
-        n = splits(self.spec, self.cfg, T)
-        self._attend[n]((n * math.ceil(T / BM), self.cfg.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out,
-                        T, start, smem=self.smem, stream=stream)
+        c, n = self.cfg, splits(self.spec, self.cfg, T)
+        if n == 1 and self._wgmma:
+            hd, nh, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+            box = (64, 1, 64)
+            maps = [tiled_map(q.ptr, (hd, nh, T), (hd * 2, nh * hd * 2), box)]
+            maps += [tiled_map(a.ptr, (hd, nkv, start + T), (hd * 2, nkv * hd * 2), box) for a in (k_cache, v_cache)]
+            self._wgmma((math.ceil(T / WGMMA_BM), nh), WGMMA_THREADS, *maps, qkv, out, T, start,
+                        smem=wgmma_smem(c), stream=stream)
+            return
+        self._attend[n]((n * math.ceil(T / BM), c.num_attention_heads), THREADS, q, k_cache, v_cache, qkv, out, T,
+                        start, smem=self.smem, stream=stream)

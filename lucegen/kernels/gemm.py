@@ -219,19 +219,25 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
 
 
-@lru_cache(maxsize=4096)
 def tensor_map(ptr: int, rows: int, cols: int, box_rows: int):
     """The 2-D tensor map of a row-major bf16 [rows, cols] matrix at device address `ptr`, read in boxes of BK
-    columns x box_rows rows with the 128-byte swizzle (gemm_wgmma.cuh's tiles); rows past the end read as zeros.
-    A cuda-python CUtensorMap, which a launch passes by value (the kernel's `const __grid_constant__ TensorMap`).
-    Cached: a map depends only on these arguments, and the prefill reuses its buffers and weights."""
+    columns x box_rows rows with the 128-byte swizzle (gemm_wgmma.cuh's tiles); rows past the end read as zeros."""
+    return tiled_map(ptr, (cols, rows), (cols * 2,), (BK, box_rows))
+
+
+@lru_cache(maxsize=4096)
+def tiled_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]):
+    """The tensor map of a bf16 tensor at device address `ptr`: dims innermost first, the byte strides of dims 1..,
+    read in boxes of `box` elements (the innermost 64 = 128 bytes, for the 128-byte swizzle); elements past the end
+    read as zeros. A cuda-python CUtensorMap, which a launch passes by value (the kernel's `const __grid_constant__
+    TensorMap`). Cached: a map depends only on these arguments, and the prefill reuses its buffers and weights."""
     from cuda.bindings import driver as drv
     from ..runtime.driver import call
-    if ptr % 16:
-        raise ValueError(f"GEMM operand at {ptr:#x} [{rows}, {cols}]: TMA needs a 16-byte aligned address")
+    if ptr % 16 or any(st % 16 for st in strides):
+        raise ValueError(f"tensor at {ptr:#x} {dims}, strides {strides}: TMA needs 16-byte aligned addresses")
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
-    return call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr,
-                [u64(cols), u64(rows)], [u64(cols * 2)], [u32(BK), u32(box_rows)], [u32(1), u32(1)],
+    return call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, len(dims), ptr,
+                [u64(d) for d in dims], [u64(st) for st in strides], [u32(b) for b in box], [u32(1)] * len(dims),
                 drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                 drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                 drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

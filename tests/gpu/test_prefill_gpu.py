@@ -381,7 +381,8 @@ def test_flash_attention_matches_numpy(kernels, model, T, start, sharp, seed):
     _, gate, _, _ = attention.split_qkv(c, qkv)
     ref = attention.reference(c, q, keys, values, gate)
     dq, dqkv = dev(q), dev(qkv)
-    for n in sorted({1, attention.splits(k.attn.spec, c, T)}):  # one block a query tile, and the cluster split
+    # a block a query tile (the wgmma kernel where the spec says), and the cluster split
+    for n in sorted({1, attention.splits(k.attn.spec, c, T)}):
         out = poisoned((T, nh * hd), BF16)
         with mock.patch.object(attention, "splits", lambda *_: n):
             k.attn.attend(dq, kc, vc, dqkv, out, T, start)
