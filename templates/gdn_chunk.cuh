@@ -9,10 +9,12 @@
 //       o  = e^c o (q S) + Aqk v'
 //       S  = e^(c_last) S + (e^(c_last - c) o k)^T v'
 // Two kernels. gdn_prep, parallel over (chunk, value head): norms, cumsum, A and Aqk (bf16 mma on the raw bf16 q, k:
-// exact products), T by blocked forward substitution in fp32, written to scratch with the per-token factors. gdn_scan,
-// parallel over (value head, BV-column slice of dv) -- the columns of S are independent -- walks the chunks in order
-// with its state slice in registers; its products with S, v' and T use tf32 mma (fp32 operands rounded to 10-bit
-// mantissas, fp32 accumulation; q and k are bf16, exact in tf32), the state itself is only ever accumulated in fp32.
+// exact products), T by blocked forward substitution in fp32, written to scratch (T and Aqk rounded to tf32, the
+// scan's operands) with the per-token factors. gdn_scan, parallel over (value head, BV-column slice of dv) -- the
+// columns of S are independent -- walks the chunks in order with its state slice in registers (a grid of one wave:
+// 8 warps in two roles, the state update and the output beside it); its products with S, v' and T use tf32 mma (fp32 operands
+// rounded to 10-bit mantissas, fp32 accumulation; q and k are bf16, exact in tf32), the state itself is only ever
+// accumulated in fp32.
 //
 // Layouts: qkv [T][CW] bf16 after conv + SiLU (q heads, k heads, v heads: value head h reads key head h / (HV/HK));
 // g, beta [T][HV] fp32; the recurrent state [HV][DV][DK] fp32 (S transposed: column j of S is DK consecutive floats,
@@ -65,13 +67,14 @@ __device__ __forceinline__ void load_mat64_async(float* dst, const float* src) {
         cp_async16(dst + (i / 16) * GDN_MAT_LD + (i % 16) * 4, src + i * 4, true);
 }
 
-// tf32 A fragment (rows row0.., columns k0..k0+7) of a padded 64 x 64 fp32 matrix.
+// tf32 A fragment (rows row0.., columns k0..k0+7) of a padded 64 x 64 matrix of tf32 values (the prep rounds T and
+// Aqk once as it stores them, so the scan's loads are the operands).
 __device__ __forceinline__ void mat64_a_frag(unsigned (&a)[4], const float* m, int row0, int k0) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    a[0] = tf32(m[(row0 + g) * GDN_MAT_LD + k0 + t]);
-    a[1] = tf32(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t]);
-    a[2] = tf32(m[(row0 + g) * GDN_MAT_LD + k0 + t + 4]);
-    a[3] = tf32(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t + 4]);
+    a[0] = __float_as_uint(m[(row0 + g) * GDN_MAT_LD + k0 + t]);
+    a[1] = __float_as_uint(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t]);
+    a[2] = __float_as_uint(m[(row0 + g) * GDN_MAT_LD + k0 + t + 4]);
+    a[3] = __float_as_uint(m[(row0 + g + 8) * GDN_MAT_LD + k0 + t + 4]);
 }
 
 // ---- gdn_prep ------------------------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ __device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__
                 qv[u] = sm.qn[i] * sm.kn[j + u] * qk[nt][e + u] * decay;
             }
             *reinterpret_cast<float2*>(sm.a + i * GDN_MAT_LD + j) = make_float2(av[0], av[1]);
-            *reinterpret_cast<float2*>(aqk_out + i * 64 + j) = make_float2(qv[0], qv[1]);
+            *reinterpret_cast<uint2*>(aqk_out + i * 64 + j) = make_uint2(tf32(qv[0]), tf32(qv[1]));  // the scan's operand
         }
     __syncthreads();
 
@@ -254,9 +257,11 @@ __device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__
         f[192 + r] = __expf(last - sm.c[r]) * sm.kn[r];
         f[256 + r] = r == 0 ? __expf(last) : 0.f;
     });
-    float4* out = reinterpret_cast<float4*>(wy + ch.scratch * 64 * 64);
-    for (int e = threadIdx.x; e < 64 * 16; e += THREADS)
-        out[e] = *reinterpret_cast<const float4*>(sm.t + e / 16 * GDN_MAT_LD + e % 16 * 4);
+    uint4* out = reinterpret_cast<uint4*>(wy + ch.scratch * 64 * 64);  // T rounded to tf32, the scan's operand
+    for (int e = threadIdx.x; e < 64 * 16; e += THREADS) {
+        const float4 t = *reinterpret_cast<const float4*>(sm.t + e / 16 * GDN_MAT_LD + e % 16 * 4);
+        out[e] = make_uint4(tf32(t.x), tf32(t.y), tf32(t.z), tf32(t.w));
+    }
 }
 
 // ---- gdn_scan ------------------------------------------------------------------------------------------------
@@ -285,15 +290,113 @@ struct GdnScanSmem {
     __device__ __forceinline__ float* xt() const { return reinterpret_cast<float*>(st() + BV * STLD); }
 };
 
+// rows S for NR 64-row tiles of bf16 rows (k, q) against the tf32 state copy st, tf32 mmas: warp rows r0 ..
+// r0+15 of each, all the slice's columns. 16 dims at a time: the rows by ldmatrix as bf16 A fragments (the
+// thread's dims 2t, 2t+1, 2t+8, 2t+9; bf16 -> tf32 is exact), split over two tf32 mmas whose k slots t, t+4 stand
+// for dims 2t, 2t+8 and 2t+1, 2t+9; S's B fragments take the same dims, two adjacent per load, shared by the tiles.
+template <class S, int BV, int STAGES, int NR>
+__device__ __forceinline__ void gdn_rows_times_state(const GdnScanSmem<S, BV, STAGES>& sm,
+                                                     const SwizzledTile<64, S::DK> (&rows)[NR],
+                                                     float (&acc)[NR][BV / 8][4], int r0) {
+    constexpr int NB = BV / 8;
+    using Sm = GdnScanSmem<S, BV, STAGES>;
+    const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const unsigned* st = sm.st();
+#pragma unroll(4 / NR)
+    for (int d = 0; d < S::DK; d += 16) {
+        unsigned a0[NR][4], a1[NR][4];
+#pragma unroll
+        for (int t = 0; t < NR; ++t) {
+            unsigned r[4];
+            load_a_frag(r, rows[t], r0, d);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a0[t][i] = r[i] << 16, a1[t][i] = r[i] & 0xffff0000u;
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const unsigned* row = st + (8 * nb + gq) * Sm::STLD + d + 2 * tq;
+            const uint2 lo = *reinterpret_cast<const uint2*>(row), hi = *reinterpret_cast<const uint2*>(row + 8);
+            const unsigned b0[2] = {lo.x, hi.x}, b1[2] = {lo.y, hi.y};
+#pragma unroll
+            for (int t = 0; t < NR; ++t) mma_tf32(acc[t][nb], a0[t], b0), mma_tf32(acc[t][nb], a1[t], b1);
+        }
+    }
+}
+
+// The state warps' step of the scan: S = e^(c_last) S + (kf o k)^T v' on their rows of S (acc_s), v' in xt, and
+// the new state's tf32 copy st (every warp read st before the chunk's first barrier).
 template <class S, int BV, int STAGES>
+__device__ __forceinline__ void gdn_scan_update(const GdnScanSmem<S, BV, STAGES>& sm, int s,
+                                                float (&acc_s)[S::DK / 64][BV / 8][4], int i_base) {
+    constexpr int NB = BV / 8, MS = S::DK / 64;
+    using Sm = GdnScanSmem<S, BV, STAGES>;
+    const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const float* f = sm.fac(s);
+    const float* xt = sm.xt();
+    unsigned* st = sm.st();
+    const float decay = f[256];
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[ms][nb][e] *= decay;
+    // 16 tokens at a time: k^T's A fragments by a transposing ldmatrix of the k tile (r[0]: dims g, tokens 2t,
+    // 2t+1; r[1]: g, 2t+8..; r[2]: g+8, 2t..; r[3]: g+8, 2t+8..), split over two tf32 mmas as in k S above.
+    const SwizzledTile<64, S::DK> k = sm.k(s);
+#pragma unroll 2
+    for (int kt = 0; kt < 64; kt += 16) {
+        const float2 kf_lo = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq);
+        const float2 kf_hi = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq + 8);
+        unsigned b0[NB][2], b1[NB][2];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float* x = xt + (8 * nb + gq) * GDN_MAT_LD + kt + 2 * tq;
+            const float2 lo = *reinterpret_cast<const float2*>(x), hi = *reinterpret_cast<const float2*>(x + 8);
+            b0[nb][0] = tf32(kf_lo.x * lo.x), b0[nb][1] = tf32(kf_hi.x * hi.x);
+            b1[nb][0] = tf32(kf_lo.y * lo.y), b1[nb][1] = tf32(kf_hi.y * hi.y);
+        }
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+            unsigned r[4];
+            load_b_frags_kn(r, k, kt, i_base + 16 * ms);
+            const unsigned a0[4] = {r[0] << 16, r[2] << 16, r[1] << 16, r[3] << 16};
+            const unsigned a1[4] = {r[0] & 0xffff0000u, r[2] & 0xffff0000u, r[1] & 0xffff0000u,
+                                    r[3] & 0xffff0000u};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma_tf32(acc_s[ms][nb], a0, b0[nb]), mma_tf32(acc_s[ms][nb], a1, b1[nb]);
+        }
+    }
+    // the new state as the next chunk's tf32 operand (every warp read st before the first barrier above)
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
+            }
+}
+
+// The scan's block: WARPS = 4, each warp taking token rows 16w .. 16w+15 of every token-row product and rows (dk)
+// w DK/4 .. of S; or WARPS = 8 in two roles of 4, for a grid of one wave, where each block's chain of products is
+// the whole time: the state warps (0-3) hold S and take k S, r and the state update, the query warps (4-7) the same
+// token rows of q S and the output, beside the state update; v' = T r is split by n-tile between the two.
+template <class S, int BV, int STAGES, int WARPS>
 __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__ wy, const float* __restrict__ aqk,
                          const float* __restrict__ fac, float* __restrict__ state, float* __restrict__ o, int T,
                          bool has_state, int h, int slice, unsigned char* smem) {
-    constexpr int THREADS = 128, NB = BV / 8, MS = S::DK / 64;  // n-tiles of the slice; S row tiles per warp
+    constexpr int THREADS = 32 * WARPS, NB = BV / 8, MS = S::DK / 64;  // n-tiles of the slice; S row tiles a warp
+    constexpr bool ROLES = WARPS == 8;
     using Sm = GdnScanSmem<S, BV, STAGES>;
+    static_assert(WARPS == 4 || WARPS == 8, "four warps, or two roles of four");
     static_assert(BV % 16 == 0, "v slices are whole 16-byte chunks of two 8-column tiles");
     const Sm sm{smem};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    const bool query_warp = ROLES && warp >= 4;
+    const bool state_work = !query_warp, query_work = !ROLES || query_warp;
+    const int w4 = warp % 4, r0 = 16 * w4;  // this warp's token rows in the token-row products
     const int j0 = slice * BV, chunks = (T + GDN_BT - 1) / GDN_BT;
     unsigned* st = sm.st();
     float* xt = sm.xt();
@@ -318,19 +421,21 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
         cp_async_commit();
     };
 
-    // The state slice: warp w holds rows (dk) w*DK/4 .. of S for the slice's columns, as mma accumulators.
+    // The state slice (the state warps' accumulators) and its tf32 copy st, the B operand of k S and q S.
     float acc_s[MS][NB][4];
-    const int i_base = warp * (S::DK / 4);
+    const int i_base = w4 * (S::DK / 4);
+    if (state_work) {
 #pragma unroll
-    for (int ms = 0; ms < MS; ++ms)
+        for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+            for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                acc_s[ms][nb][e] = has_state ? state_h[(size_t)j * S::DK + i] : 0.f;
-                st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                    acc_s[ms][nb][e] = has_state ? state_h[(size_t)j * S::DK + i] : 0.f;
+                    st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
+                }
+    }
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load(s);
@@ -341,137 +446,87 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
         __syncthreads();  // chunk n has landed; every warp is done with chunk n - 1 (and st holds its state)
         if constexpr (STAGES > 1) load(n + STAGES - 1);
         const int s = n % STAGES, t0 = n * GDN_BT, valid = min(GDN_BT, T - t0);
-        const SwizzledTile<64, S::DK> q = sm.q(s), k = sm.k(s);
         const bf16* v = sm.v(s);
         const float* f = sm.fac(s);
-        const int r0 = 16 * warp;  // this warp's token rows in the token-row products
 
-        // k S and q S (tf32: k, q exact, S rounded). 16 dims at a time: k and q rows by ldmatrix as bf16 A fragments
-        // (the thread's dims 2t, 2t+1, 2t+8, 2t+9; bf16 -> tf32 is exact), split over two tf32 mmas whose k slots t,
-        // t+4 stand for dims 2t, 2t+8 and 2t+1, 2t+9; S's B fragments take the same dims, two adjacent per load.
-        float ks[NB][4] = {}, qs[NB][4] = {};
-#pragma unroll 2
-        for (int d = 0; d < S::DK; d += 16) {
-            unsigned rk[4], rq[4];
-            load_a_frag(rk, k, r0, d);
-            load_a_frag(rq, q, r0, d);
-            const unsigned ak0[4] = {rk[0] << 16, rk[1] << 16, rk[2] << 16, rk[3] << 16};
-            const unsigned ak1[4] = {rk[0] & 0xffff0000u, rk[1] & 0xffff0000u, rk[2] & 0xffff0000u,
-                                     rk[3] & 0xffff0000u};
-            const unsigned aq0[4] = {rq[0] << 16, rq[1] << 16, rq[2] << 16, rq[3] << 16};
-            const unsigned aq1[4] = {rq[0] & 0xffff0000u, rq[1] & 0xffff0000u, rq[2] & 0xffff0000u,
-                                     rq[3] & 0xffff0000u};
+        // k S and q S: both in each warp of four, the warp's role's one of them with two roles
+        constexpr int NR = ROLES ? 1 : 2;
+        SwizzledTile<64, S::DK> rows[NR];
+        if constexpr (ROLES) rows[0] = query_warp ? sm.q(s) : sm.k(s);
+        else rows[0] = sm.k(s), rows[1] = sm.q(s);
+        float xs[NR][NB][4] = {};
+        gdn_rows_times_state<S, BV, STAGES, NR>(sm, rows, xs, r0);
+        float (&ks)[NB][4] = xs[0];
+        float (&qs)[NB][4] = xs[NR - 1];
+        if (state_work) {  // r = beta (v - a o kS), transposed into xt as tf32 (the B operand of T r)
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const unsigned* row = st + (8 * nb + gq) * Sm::STLD + d + 2 * tq;
-                const uint2 lo = *reinterpret_cast<const uint2*>(row), hi = *reinterpret_cast<const uint2*>(row + 8);
-                const unsigned b0[2] = {lo.x, hi.x}, b1[2] = {lo.y, hi.y};
-                mma_tf32(ks[nb], ak0, b0), mma_tf32(ks[nb], ak1, b1);
-                mma_tf32(qs[nb], aq0, b0), mma_tf32(qs[nb], aq1, b1);
-            }
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = r0 + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
+                    xt[j * GDN_MAT_LD + i] = __uint_as_float(
+                        tf32(f[i] * (__bfloat162float(v[i * Sm::VLD + j]) - f[64 + i] * ks[nb][e])));
+                }
         }
-        // r = beta (v - a o kS), transposed into xt
+        if (query_work) {  // q S's factor qf
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+            for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = r0 + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                xt[j * GDN_MAT_LD + i] = f[i] * (__bfloat162float(v[i * Sm::VLD + j]) - f[64 + i] * ks[nb][e]);
-            }
+                for (int e = 0; e < 4; ++e) qs[nb][e] *= f[128 + r0 + gq + 8 * (e / 2)];
+        }
         __syncthreads();
-        // v' = T r
-        float vn[NB][4] = {};
+        // v' = T r (T is tf32 already: the prep rounded it); with two roles, each warp takes half of the n-tiles
+        constexpr int VB = ROLES ? NB / 2 : NB;
+        const int nb0 = query_warp ? VB : 0;
+        float vn[VB][4] = {};
 #pragma unroll
         for (int kt = 0; kt < 64; kt += 8) {
             unsigned a[4];
             mat64_a_frag(a, sm.wy(s), r0, kt);
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const unsigned b[2] = {tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]),
-                                       tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4])};
+            for (int nb = 0; nb < VB; ++nb) {
+                const float* x = xt + (8 * (nb0 + nb) + gq) * GDN_MAT_LD + kt + tq;
+                const unsigned b[2] = {__float_as_uint(x[0]), __float_as_uint(x[4])};
                 mma_tf32(vn[nb], a, b);
             }
         }
         __syncthreads();  // every warp has read r
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+        for (int nb = 0; nb < VB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                xt[(8 * nb + 2 * tq + e % 2) * GDN_MAT_LD + r0 + gq + 8 * (e / 2)] = vn[nb][e];
+                xt[(8 * (nb0 + nb) + 2 * tq + e % 2) * GDN_MAT_LD + r0 + gq + 8 * (e / 2)] = vn[nb][e];
         __syncthreads();
 
-        // o = qf o (q S) + Aqk v'
+        if (query_work) {  // o = qf o (q S) + Aqk v'
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+            for (int kt = 0; kt < 64; kt += 8) {
+                unsigned a[4];
+                mat64_a_frag(a, sm.aqk(s), r0, kt);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) qs[nb][e] *= f[128 + r0 + gq + 8 * (e / 2)];
-#pragma unroll
-        for (int kt = 0; kt < 64; kt += 8) {
-            unsigned a[4];
-            mat64_a_frag(a, sm.aqk(s), r0, kt);
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const unsigned b[2] = {tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]),
-                                       tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4])};
-                mma_tf32(qs[nb], a, b);
-            }
-        }
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = r0 + gq + 8 * half;
-                if (i < valid)
-                    *reinterpret_cast<float2*>(o + ((size_t)(t0 + i) * S::HV + h) * S::DV + j0 + 8 * nb + 2 * tq) =
-                        make_float2(qs[nb][2 * half], qs[nb][2 * half + 1]);
-            }
-
-        // S = e^(c_last) S + (kf o k)^T v'
-        const float decay = f[256];
-#pragma unroll
-        for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[ms][nb][e] *= decay;
-        // 16 tokens at a time: k^T's A fragments by a transposing ldmatrix of the k tile (r[0]: dims g, tokens 2t,
-        // 2t+1; r[1]: g, 2t+8..; r[2]: g+8, 2t..; r[3]: g+8, 2t+8..), split over two tf32 mmas as in k S above.
-#pragma unroll 2
-        for (int kt = 0; kt < 64; kt += 16) {
-            const float2 kf_lo = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq);
-            const float2 kf_hi = *reinterpret_cast<const float2*>(f + 192 + kt + 2 * tq + 8);
-            unsigned b0[NB][2], b1[NB][2];
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const float* x = xt + (8 * nb + gq) * GDN_MAT_LD + kt + 2 * tq;
-                const float2 lo = *reinterpret_cast<const float2*>(x), hi = *reinterpret_cast<const float2*>(x + 8);
-                b0[nb][0] = tf32(kf_lo.x * lo.x), b0[nb][1] = tf32(kf_hi.x * hi.x);
-                b1[nb][0] = tf32(kf_lo.y * lo.y), b1[nb][1] = tf32(kf_hi.y * hi.y);
-            }
-#pragma unroll
-            for (int ms = 0; ms < MS; ++ms) {
-                unsigned r[4];
-                load_b_frags_kn(r, k, kt, i_base + 16 * ms);
-                const unsigned a0[4] = {r[0] << 16, r[2] << 16, r[1] << 16, r[3] << 16};
-                const unsigned a1[4] = {r[0] & 0xffff0000u, r[2] & 0xffff0000u, r[1] & 0xffff0000u,
-                                        r[3] & 0xffff0000u};
-#pragma unroll
-                for (int nb = 0; nb < NB; ++nb) mma_tf32(acc_s[ms][nb], a0, b0[nb]), mma_tf32(acc_s[ms][nb], a1, b1[nb]);
-            }
-        }
-        // the new state as the next chunk's tf32 operand (every warp read st before the first barrier above)
-#pragma unroll
-        for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                    st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
+                for (int nb = 0; nb < NB; ++nb) {
+                    const unsigned b[2] = {tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq]),
+                                           tf32(xt[(8 * nb + gq) * GDN_MAT_LD + kt + tq + 4])};
+                    mma_tf32(qs[nb], a, b);
                 }
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = r0 + gq + 8 * half;
+                    if (i < valid)
+                        *reinterpret_cast<float2*>(o + ((size_t)(t0 + i) * S::HV + h) * S::DV + j0 + 8 * nb + 2 * tq) =
+                            make_float2(qs[nb][2 * half], qs[nb][2 * half + 1]);
+                }
+        }
+        if (state_work) {  // S = e^(c_last) S + (kf o k)^T v' (beside the output, with two roles)
+            gdn_scan_update<S, BV, STAGES>(sm, s, acc_s, i_base);
+        }
         if constexpr (STAGES == 1) __syncthreads();  // the next load overwrites this chunk's stage
     }
     cp_async_wait<0>();
+    if (!state_work) return;
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
@@ -482,7 +537,6 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
                 state_h[(size_t)j * S::DK + i] = acc_s[ms][nb][e];
             }
 }
-
 // ---- gated RMSNorm of the output ------------------------------------------------------------------------------
 
 // One (token, head) per warp: y = w * (o * rsqrt(mean(o^2) + eps)) * silu(z), bf16. o and z are DV fp32 values,

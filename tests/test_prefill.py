@@ -301,3 +301,11 @@ def test_attention_shares_a_short_prompts_keys_over_a_cluster_where_the_spec_say
         load_spec("rtx3090").with_prefill(attention_split=2)
     with pytest.raises(SpecError, match="tuning.prefill.attention"):
         load_spec("rtx3090").with_prefill(attention="wgmma")
+
+
+def test_the_scan_takes_two_roles_of_warps_only_where_its_blocks_fit_one_wave():
+    """On the H200 the 0.8B's scan is 128 blocks of 16 columns (8 warps: the output beside the state update), the
+    27B's 192 blocks of 32 (4 warps, each doing both)."""
+    h200 = load_spec("h200")
+    for cfg, bv, warps in ((REAL[0], 16, 8), (REAL[1], 32, 4)):
+        assert gdn.scan_config(h200, cfg)[0] == bv and gdn.scan_warps(h200, cfg, bv) == warps
