@@ -15,6 +15,7 @@
 // KV cache [context][NKV][HD] bf16 per layer (the reference State's order); query head h reads KV head h / GROUP.
 #pragma once
 #include "activation.cuh"
+#include "cluster.cuh"
 #include "mma.cuh"
 
 namespace lucegen {
@@ -204,31 +205,6 @@ __device__ __forceinline__ void attention_store_rows(const bf16* __restrict__ qk
         for (int nt = 0; nt < S::HD / 8; ++nt)
             attention_store<S>(qkv, out, t + 8 * half, h, 8 * nt + 2 * tq, o[nt][2 * half], o[nt][2 * half + 1], inv);
     }
-}
-
-// The cluster's blocks (sm_90): a barrier with release / acquire ordering of shared memory, and loads from the
-// shared memory of block `rank` at the address of `p` in this block's.
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_address(const void* p, int rank) {
-    unsigned a;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-    return a;
-}
-
-__device__ __forceinline__ float cluster_load(unsigned a) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float4 cluster_load4(unsigned a) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
-    return v;
 }
 
 // A block's partial in its shared memory once its keys are done: o [64][HD] unnormalised, then the row max m (in

@@ -7,11 +7,12 @@
 // stages with 2-D TMA loads (128-byte swizzle; rows past M or N zero-filled), each stage completing on its `full`
 // mbarrier. Consumer warpgroup c waits for a stage, issues wgmma over its 64 rows and all BN columns, and hands the
 // stage back on its `empty` mbarrier once the wgmma reading it has completed (one k tile later: the wgmma of two k
-// tiles overlap). Tiles and slices of K come from gemm_work; the consumers of a split-K item store their partial
-// tile and the tile's last item adds the slices with gemm.cuh's split_k_add (named barrier 1: the producer warpgroup
-// has left by then). Under programmatic dependent launch (templates/common.cuh) the producer loads the first
-// stages' weights before the kernel ahead has finished, and the next kernel launches once the last k tile is done.
+// tiles overlap). Tiles and slices of K come from gemm_work; a split-K launch runs a tile's slices as one cluster of
+// blocks, which add their partials through distributed shared memory (cluster_split_add, below). Under programmatic
+// dependent launch (templates/common.cuh) the producer loads the first stages' weights before the kernel ahead has
+// finished, and the next kernel launches once the last k tile is done.
 #pragma once
+#include "cluster.cuh"
 #include "gemm.cuh"
 #include "wgmma.cuh"
 
@@ -52,19 +53,85 @@ struct WgmmaTokensNShape : WgmmaStages<TN_, 64 * CONSUMERS_, CONSUMERS_, STAGES_
     static_assert(TN_ % 8 == 0 && TN_ <= 256, "wgmma's N is a multiple of 8 up to 256");
 };
 
+// ---- split-K over a cluster ----------------------------------------------------------------------------------
+//
+// The `add` of a split-K launch: `splits` blocks per tile, launched as one cluster (rank r = slice r of K, block
+// tile * splits + r). Each block stores its partial tile p_r (fp32) into its own shared memory, where the stages
+// were; after a cluster barrier, block r adds rows r, r + splits, ... of the tile into Y, reading every block's
+// partial through distributed shared memory, in slice order:
+//     Y = Y0 + ((((p_0 + p_1) + p_2) + ...) + p_{splits-1})
+// the sum gemm.cuh's split_k_add makes (so `reference(..., splits)` holds bit for bit given the partials), with no
+// workspace, counter or fence. A second cluster barrier keeps each block's shared memory until all reads are done.
+struct AddF32Cluster {
+    float* y;
+};
+template <>
+struct IsSplitK<AddF32Cluster> {
+    static constexpr bool value = true;
+};
+
+// A partial tile in shared memory: BM rows of BN fp32, rows STRIDE floats apart (8 past BN, so that the float2
+// stores of a warp's 8 rows x 4 column pairs fall in two wavefronts).
+template <class S>
+struct ClusterPartial {
+    static constexpr int STRIDE = S::BN + 8, BYTES = S::BM * STRIDE * 4;
+    static_assert(BYTES <= S::STAGES * S::STAGE, "a partial tile fits where the stages were");
+};
+
+// Consumer threads tid = 0 .. THREADS - 1 of the block of rank `rank` (all must call it, after the barrier that
+// follows every block's store of its partial at `mine`): its rows of the tile at (m0, n0) into Y [M, N]. Batches
+// of UNROLL column pairs: the partials' and Y0's loads, then the sums and the stores.
+template <class S, int THREADS, int MAX_SPLITS>
+__device__ __forceinline__ void cluster_split_add(const float* mine, int rank, int splits, int tid, float* Y,
+                                                  int m0, int n0, int M, int N) {
+    constexpr int PAIRS = S::BN / 2, UNROLL = 4, STRIDE = ClusterPartial<S>::STRIDE;
+    unsigned base[MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < MAX_SPLITS; ++s) base[s] = cluster_address(mine, s < splits ? s : 0);
+    const int rows = min(S::BM, M - m0), cols = min(S::BN, N - n0);
+    const int mine_rows = rank < rows ? (rows - rank + splits - 1) / splits : 0, pairs = mine_rows * PAIRS;
+#pragma unroll 1
+    for (int e0 = tid; e0 < pairs; e0 += UNROLL * THREADS) {
+        float2 p[MAX_SPLITS][UNROLL], y0[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int e = e0 + u * THREADS, r = rank + e / PAIRS * splits, c = e % PAIRS * 2;
+            const bool in = e < pairs && c < cols;
+            y0[u] = load_cg_if(reinterpret_cast<const float2*>(Y + (size_t)(m0 + r) * N + n0 + c), in,
+                               make_float2(0.f, 0.f));
+#pragma unroll
+            for (int s = 0; s < MAX_SPLITS; ++s)
+                p[s][u] = in && s < splits ? cluster_load2(base[s] + (r * STRIDE + c) * 4) : make_float2(-0.f, -0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int e = e0 + u * THREADS, r = rank + e / PAIRS * splits, c = e % PAIRS * 2;
+            float2 t = p[0][u];
+#pragma unroll
+            for (int s = 1; s < MAX_SPLITS; ++s) t = make_float2(t.x + p[s][u].x, t.y + p[s][u].y);
+            if (e < pairs && c < cols)
+                *reinterpret_cast<float2*>(Y + (size_t)(m0 + r) * N + n0 + c) =
+                    make_float2(y0[u].x + t.x, y0[u].y + t.y);
+        }
+    }
+}
+
 // Y = X W^T by a persistent grid; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with boxes of
 // BK x BM and BK x BN and the 128-byte swizzle. Work items (gemm_work) are the ceil(M/BM) * ceil(N/BN) tiles, times
-// the slices of K for split-K (whose launch has exactly one block per item: splits = gridDim.x / tiles); block b
-// takes items b, b + gridDim.x, ... Its producer streams the k tiles of all its items through the stages without a
-// break, so the next item's first stages load while the consumers finish the last one and run its epilogue.
-// Launched with S::THREADS threads and S::SMEM bytes of dynamic shared memory. MAX_SPLITS: see split_k_add.
+// the slices of K for split-K (whose launch has one block per item, in clusters of splits = gridDim.x / tiles:
+// block tile * splits + r takes slice r of the tile); else block b takes items b, b + gridDim.x, ... Its producer
+// streams the k tiles of all its items through the stages without a break, so the next item's first stages load
+// while the consumers finish the last one and run its epilogue. Launched with S::THREADS threads and S::SMEM bytes
+// of dynamic shared memory. MAX_SPLITS: the most slices a launch has (the spec's split_k).
 template <class S, class Epilogue, int MAX_SPLITS = 1>
 __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int M, int N, int K,
                               const Epilogue& epilogue, unsigned char* smem_raw) {
     unsigned char* smem = smem_raw + ((1024 - shared_addr(smem_raw) % 1024) % 1024);
     auto* full = reinterpret_cast<unsigned long long*>(smem + S::STAGES * S::STAGE);
     auto* empty = full + S::STAGES;
-    const int tiles = gemm_tiles<S>(M, N), splits = IsSplitK<Epilogue>::value ? gridDim.x / tiles : 1;
+    constexpr bool SPLIT = IsSplitK<Epilogue>::value;
+    const int tiles = gemm_tiles<S>(M, N), splits = SPLIT ? gridDim.x / tiles : 1;
+    const int rank = SPLIT ? cluster_rank() : 0, item0 = SPLIT ? rank * tiles + blockIdx.x / splits : blockIdx.x;
     const int items = tiles * splits, warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S::STAGES; ++s) {
@@ -80,8 +147,8 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         if (threadIdx.x == 0) {
             // The weights of the first stages stream in while the kernel before still runs (no kernel writes them);
             // X, and everything after, once it has finished.
-            const GemmWork first = gemm_work<S>(M, N, K, blockIdx.x, splits);
-            const int ahead = blockIdx.x < items ? min(first.k_tiles, S::STAGES) : 0;
+            const GemmWork first = gemm_work<S>(M, N, K, item0, splits);
+            const int ahead = item0 < items ? min(first.k_tiles, S::STAGES) : 0;
             for (int kt = 0; kt < ahead; ++kt) {
                 mbar_expect_tx(&full[kt], S::STAGE);
                 tma_load_2d(smem + kt * S::STAGE + S::A_BYTES, wmap, (first.kt0 + kt) * S::BK, first.tn * S::BN,
@@ -89,7 +156,7 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
             }
             wait_for_prior_grids();
             int it = 0;  // k tiles loaded so far, over all items: stage it % STAGES, its (it / STAGES)-th use
-            for (int item = blockIdx.x; item < items; item += gridDim.x) {
+            for (int item = item0; item < items; item += gridDim.x) {
                 const GemmWork work = gemm_work<S>(M, N, K, item, splits);
                 for (int kt = 0; kt < work.k_tiles; ++kt, ++it) {
                     const int s = it % S::STAGES, k0 = (work.kt0 + kt) * S::BK;
@@ -104,9 +171,14 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
             }
         }
         launch_next_grid();  // every load issued (the consumers let it launch after their last k tile)
+        if constexpr (SPLIT) {  // the cluster's two barriers around the consumers' sum of the partials
+            __syncwarp();
+            cluster_barrier();
+            cluster_barrier();
+        }
         return;
     }
-    wait_for_prior_grids();  // the epilogue writes Y (and split-K's workspace), which the kernel before may read
+    wait_for_prior_grids();  // the epilogue writes Y, which the kernel before may read
 
     if constexpr (S::CONSUMERS > 1) regs_alloc<S::CONSUMER_REGS>();
     const int c = warpgroup - 1;
@@ -149,19 +221,26 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         if constexpr (S::TOKENS_N) {
             static_assert(!IsSplitK<Epilogue>::value, "the token-N tile does not split K");
             epilogue.transposed(acc[0][0], n0 + row, m0, M, N);
-        } else if constexpr (IsSplitK<Epilogue>::value) {  // the partial to the item's slot, then the tile's last item adds
+        } else if constexpr (SPLIT) {  // the partial into this block's shared memory, then the cluster adds them
+            constexpr int STRIDE = ClusterPartial<S>::STRIDE;
+            float* partial = reinterpret_cast<float*>(smem);
+            named_barrier(1, 128 * S::CONSUMERS);  // every consumer's wgmma is done with the stages
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
-                StoreF32{epilogue.partials + (size_t)item * S::BM * S::BN}(acc[nt], row, nt * 128, S::BM, S::BN);
-            split_k_add<S::BM, S::BN, 128 * S::CONSUMERS, MAX_SPLITS>(work, threadIdx.x - 128, 1, epilogue.partials,
-                                                                      epilogue.counters, epilogue.y, m0, n0, M, N);
+                for_each_pair(acc[nt], row, nt * 128, [&](int r, int col, float a, float b) {
+                    *reinterpret_cast<float2*>(partial + r * STRIDE + col) = make_float2(a, b);
+                });
+            cluster_barrier();
+            cluster_split_add<S, 128 * S::CONSUMERS, MAX_SPLITS>(partial, rank, splits, threadIdx.x - 128, epilogue.y,
+                                                                 m0, n0, M, N);
+            cluster_barrier();
         } else {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);
         }
     };
-    if constexpr (IsSplitK<Epilogue>::value) {
-        consume(blockIdx.x);  // one block per item
+    if constexpr (SPLIT) {
+        consume(item0);  // one block per item
     } else {
 #pragma unroll 1
         for (int item = blockIdx.x; item < items; item += gridDim.x) consume(item);

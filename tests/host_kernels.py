@@ -160,7 +160,7 @@ class HostKernel:
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         pass
 
-    def __call__(self, grid, block, *args, smem=0, stream=None):
+    def __call__(self, grid, block, *args, smem=0, stream=None, cluster=1):
         c, name = self.module.cfg, self.name
         grid = (grid,) if isinstance(grid, int) else grid
         if name.startswith("gemm_"):

@@ -25,7 +25,10 @@ and adds the sum into the residual once:
 so the result is the same bits run to run, whichever block finishes first (it still depends on the count of
 slices, which depends on the prompt's length: chunking a prompt differently changes the sums' grouping). The last
 block resets the tile's counter to zero, so the counters (a small buffer the Gemm allocates zeroed once) are zero
-before every launch and no memset runs per call; no block ever waits for another.
+before every launch and no memset runs per call; no block ever waits for another. With wgmma (sm_90) a tile's
+slices run as one cluster of blocks instead: each keeps its partial in its shared memory, and block r adds rows r,
+r + splits, ... of the tile from all the partials, read through distributed shared memory in the same order (no
+workspace, no counters).
 """
 from __future__ import annotations
 
@@ -59,10 +62,13 @@ EPILOGUES = {
     "add": ("AddF32", "float", "added into an fp32 residual"),
     "silu": ("SiluMulBf16", "bf16", "silu(gate) * up from paired gate/up rows, bf16 out"),
 }
-# the `add` kernel the launcher runs when it splits K: the last block of a tile sums its slices in order, then adds
+# the `add` kernel the launcher runs when it splits K: the slices of a tile summed in order, then added; by the
+# tile's last block through a workspace (mma), or by the tile's cluster through its shared memory (wgmma)
 SPLIT_ADD = "add_split"
 KERNEL_EPILOGUES = {**EPILOGUES, SPLIT_ADD: ("AddF32Split", "float", "added into an fp32 residual, split-K slices "
                                              "summed in slice order by a tile's last block")}
+CLUSTER_SPLIT_ADD = ("AddF32Cluster", "float", "added into an fp32 residual, split-K slices (a cluster of blocks) "
+                     "summed in slice order through the cluster's shared memory")
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,8 @@ def slices(k: int, splits: int) -> list[tuple[int, int]]:
 
 def workspace(spec: ChipSpec) -> tuple[int, int]:
     """(fp32 partials, tile counters) a split launch may need on this chip: a BM x BN slot per block of one wave,
-    a counter per tile; (0, 0) without split-K."""
-    if spec.tuning.prefill.split_k <= 1:
+    a counter per tile; (0, 0) without split-K, or with wgmma's (a cluster's shared memory holds its partials)."""
+    if spec.tuning.prefill.split_k <= 1 or spec.tuning.prefill.gemm == "wgmma":
         return 0, 0
     configs = tile_configs(spec)
     split = [c for c in configs if not c.tokens_n]
@@ -192,6 +198,10 @@ def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None 
     return acc
 
 
+def _kernel_epilogues(method: str) -> dict[str, tuple[str, str, str]]:
+    return {**KERNEL_EPILOGUES, SPLIT_ADD: CLUSTER_SPLIT_ADD} if method == "wgmma" else KERNEL_EPILOGUES
+
+
 def kernel_name(config: TileConfig, epilogue: str) -> str:
     return f"gemm_{config.name}_{epilogue}"
 
@@ -212,7 +222,7 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
                          min_blocks=c.min_blocks, tokens_n=c.tokens_n) for c in configs],
         "wgmma_ns": sorted({c.bm if c.tokens_n else 128 for c in configs}) if method == "wgmma" else [],
         "epilogues": [dict(name=e, functor=f, out=t, doc=d, split=e == SPLIT_ADD)
-                      for e, (f, t, d) in KERNEL_EPILOGUES.items()],
+                      for e, (f, t, d) in _kernel_epilogues(method).items()],
     }
     sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
                  for e in kernel_epilogues(c))
@@ -245,7 +255,7 @@ def tiled_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tu
 
 
 class Gemm:
-    """Y = X W^T for bf16 X [M, K] and W [N, K], with one of EPILOGUES. With split-K, it owns the split launches'
+    """Y = X W^T for bf16 X [M, K] and W [N, K], with one of EPILOGUES. With mma's split-K, it owns the split launches'
     workspace of partial tiles and their tile counters (zeroed once here; every launch leaves them zero), so the
     launches of one Gemm must run one after another (one stream, or a graph of it)."""
 
@@ -274,11 +284,12 @@ class Gemm:
         if c.method == "wgmma":
             x, w = tensor_map(x.ptr, m, k, c.bm), tensor_map(w.ptr, n, k, c.bn)
         items, args = s * c.tiles(m, n), (x, w, y, m, n, k)
-        if s > 1:  # one block per item (they fit one wave: `splits`)
+        if s > 1 and c.method != "wgmma":  # one block per item (they fit one wave: `splits`)
             assert items * c.bm * c.bn <= self.partials.size and c.tiles(m, n) <= self.counters.size
             args += (self.partials, self.counters)
         blocks = min(items, self.resident[c.name]) if c.name in self.resident and s == 1 else items
-        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](blocks, c.threads, *args, smem=c.smem, stream=stream)
+        self.kernels[c.name, SPLIT_ADD if s > 1 else epilogue](blocks, c.threads, *args, smem=c.smem, stream=stream,
+                                                                cluster=s if c.method == "wgmma" else 1)
 
     def free(self) -> None:
         for a in (self.partials, self.counters):

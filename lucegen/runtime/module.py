@@ -54,18 +54,27 @@ def _params(args: Sequence[Any]):
     return tuple(values), tuple(types)
 
 
-def _programmatic_config(g: tuple[int, int, int], b: tuple[int, int, int], smem: int, stream):
+def _launch_config(g: tuple[int, int, int], b: tuple[int, int, int], smem: int, stream, programmatic: bool,
+                   cluster: int):
     """cuLaunchKernelEx's configuration of a launch that may begin before the one ahead of it on the stream ends
-    (programmatic stream serialization)."""
+    (programmatic stream serialization), and / or whose blocks run in clusters of `cluster` along x (sm_90)."""
     drv = _drv()
-    attr = drv.CUlaunchAttribute()
-    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = []
+    if programmatic:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster > 1:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        attrs.append(attr)
     config = drv.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = g
     config.blockDimX, config.blockDimY, config.blockDimZ = b
     config.sharedMemBytes, config.hStream = smem, stream
-    config.attrs, config.numAttrs = [attr], 1
+    config.attrs, config.numAttrs = attrs, len(attrs)
     return config
 
 
@@ -83,19 +92,24 @@ class Kernel:
         return call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self.handle, threads, dynamic_smem)
 
     def __call__(self, grid: Dim, block: Dim, *args: Any, smem: int = 0, stream=None,
-                 cooperative: bool = False) -> None:
+                 cooperative: bool = False, cluster: int = 1) -> None:
+        """Launch on `stream`; `cluster` > 1 runs the blocks in clusters of that many along x (grid x a multiple)."""
         if _observers:
-            _observers[-1](self, args, stream, lambda: self._launch(grid, block, args, smem, stream, cooperative))
+            _observers[-1](self, args, stream,
+                           lambda: self._launch(grid, block, args, smem, stream, cooperative, cluster))
         else:
-            self._launch(grid, block, args, smem, stream, cooperative)
+            self._launch(grid, block, args, smem, stream, cooperative, cluster)
 
-    def _launch(self, grid: Dim, block: Dim, args: Sequence[Any], smem: int, stream, cooperative: bool) -> None:
+    def _launch(self, grid: Dim, block: Dim, args: Sequence[Any], smem: int, stream, cooperative: bool,
+                cluster: int) -> None:
         g, b = _dim3(grid), _dim3(block)
         h = stream.handle if stream is not None else 0
+        programmatic = getattr(stream, "programmatic", False)
         if cooperative:
             call("cuLaunchCooperativeKernel", self.handle, *g, *b, smem, h, _params(args))
-        elif getattr(stream, "programmatic", False):
-            call("cuLaunchKernelEx", _programmatic_config(g, b, smem, h), self.handle, _params(args), 0)
+        elif programmatic or cluster > 1:
+            call("cuLaunchKernelEx", _launch_config(g, b, smem, h, programmatic, cluster), self.handle,
+                 _params(args), 0)
         else:
             call("cuLaunchKernel", self.handle, *g, *b, smem, h, _params(args), 0)
 
