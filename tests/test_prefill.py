@@ -92,7 +92,7 @@ def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
 
 
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
-                                  for sk in (1, 4)],
+                                  for sk in (1, 4, 8)],
                          ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}-split{s.tuning.prefill.split_k}")
 @given(m=st.integers(1, 8192), n2=st.integers(1, 9000), kt=st.integers(1, 300),
        epilogue=st.sampled_from(list(gemm.EPILOGUES)))

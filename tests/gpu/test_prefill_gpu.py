@@ -113,14 +113,15 @@ GEMM_KS = [64, 128, 1024, 3584, 5120]
 @pytest.fixture(scope="module")
 def gemms(spec, tmp_path_factory):
     """gemms(method) -> (the GEMM launcher, the spec) for each GEMM method this chip allows, built once; with
-    split-K allowed, so an `add` with fewer tiles than SMs runs the split kernel."""
+    split-K allowed up to 8 slices (the most a spec may give), so an `add` with fewer tiles than SMs runs the split
+    kernel, with wgmma's large tile in clusters of up to 6 blocks on the 0.8B's shapes."""
     root = tmp_path_factory.mktemp("gemm")
 
     @cache
     def get(method: str):
         if method not in gemm_methods(spec):
             pytest.skip(f"{spec.name} ({spec.chip.arch}) cannot run the {method} GEMM")
-        s = spec.with_prefill(gemm=method, split_k=4)
+        s = spec.with_prefill(gemm=method, split_k=8)
         return gemm.Gemm(build(s, TINY, gemm.units(s), root=root).module("prefill_gemm"), s), s
     return get
 
