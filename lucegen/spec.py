@@ -21,6 +21,8 @@ KV_FORMATS = ("bf16", "fp8", "q8_0", "q4_0", "tq3_0")
 WEIGHT_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 # Archs lucegen renders kernels for. NVRTC is asked as well (supported_archs) when it can be loaded.
 KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+REG_ALLOC_UNIT = 256         # registers a warp is given at a time (every arch listed)
+WARP_ALLOC_GRANULARITY = 4   # warps given registers together: one per SM sub-partition
 
 
 class SpecError(ValueError):
@@ -195,11 +197,15 @@ class ChipSpec:
                         f"{self.path or self.name} with prefill {changes}")
 
     def max_coresident_blocks(self, threads: int, regs_per_thread: int = 0, smem: int = 0) -> int:
-        """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs)."""
+        """Blocks of `threads` threads the whole chip holds at once (occupancy bound, per SM x SMs). Registers go to
+        a warp in units of REG_ALLOC_UNIT, and to warps in groups of WARP_ALLOC_GRANULARITY (an SM's four
+        sub-partitions each hold a quarter of its register file): 17 warps of 120 registers do not fit 64K."""
         c = self.chip
         per_sm = min(c.max_blocks_per_sm, c.max_threads_per_sm // threads)
         if regs_per_thread:
-            per_sm = min(per_sm, c.regs_per_sm // (regs_per_thread * threads))
+            warp_regs = -(-regs_per_thread * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+            warps = c.regs_per_sm // warp_regs // WARP_ALLOC_GRANULARITY * WARP_ALLOC_GRANULARITY
+            per_sm = min(per_sm, warps // -(-threads // 32))
         if smem:
             per_sm = min(per_sm, c.smem_per_sm // smem)
         return per_sm * c.sm_count

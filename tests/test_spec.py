@@ -18,6 +18,18 @@ def test_every_chip_has_a_valid_spec():
         assert spec.chip.read_gbs > 0
 
 
+def test_registers_bound_the_blocks_an_sm_holds_by_whole_warp_groups():
+    """64K registers an SM, given to warps 256 at a time and in groups of 4 warps: 17 warps of 96 registers fit one
+    block (20 warps' worth), of 120 none (16 warps' worth: what ptxas's 96-register cap at 544 threads says);
+    16 warps of 128 fit one, two blocks of 128 threads at 255 registers fit."""
+    h200 = load_spec("h200")
+    assert h200.max_coresident_blocks(544, 96) == h200.chip.sm_count
+    assert h200.max_coresident_blocks(544, 120) == 0
+    assert h200.max_coresident_blocks(512, 128) == h200.chip.sm_count
+    assert h200.max_coresident_blocks(128, 255) == 2 * h200.chip.sm_count
+    assert h200.max_coresident_blocks(384, 168) == h200.chip.sm_count
+
+
 def test_bare_name_finds_the_spec():
     assert load_spec("h200").path == SPECS_DIR / "h200.yaml"
 
