@@ -112,7 +112,7 @@ class LayeredHostKernel:
     def max_active_blocks_per_sm(self, threads: int, smem: int) -> int:
         return 1
 
-    def __call__(self, grid, block, *args, smem=0, stream=None):
+    def __call__(self, grid, block, *args, smem=0, stream=None, cluster=1):
         grid = (grid,) if isinstance(grid, int) else grid
         if HostGraph.recording is not None:
             HostGraph.recording.append(lambda: self.run(grid, args))

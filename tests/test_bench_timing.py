@@ -31,7 +31,7 @@ class Device:
         k = Kernel.__new__(Kernel)
         k.name = name
 
-        def launch(grid, block, args, smem, stream, cooperative):
+        def launch(grid, block, args, smem, stream, cooperative, cluster):
             assert stream is self
             self.clock += ms
             self.ran.append(name)
