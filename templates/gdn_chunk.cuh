@@ -323,6 +323,20 @@ __device__ __forceinline__ void gdn_rows_times_state(const GdnScanSmem<S, BV, ST
     }
 }
 
+// f(accumulator, i, j) for each of a state warp's accumulators acc_s[ms][nb][e] of S^T: row i of S (of DK, from the
+// warp's i_base), column j of the v slice (of BV).
+template <int MS, int NB, class F>
+__device__ __forceinline__ void for_each_state(float (&acc_s)[MS][NB][4], int i_base, F&& f) {
+    const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                f(acc_s[ms][nb][e], i_base + 16 * ms + gq + 8 * (e / 2), 8 * nb + 2 * tq + e % 2);
+}
+
 // The state warps' step of the scan: S = e^(c_last) S + (kf o k)^T v' on their rows of S (acc_s), v' in xt, and
 // the new state's tf32 copy st (every warp read st before the chunk's first barrier).
 template <class S, int BV, int STAGES>
@@ -368,15 +382,7 @@ __device__ __forceinline__ void gdn_scan_update(const GdnScanSmem<S, BV, STAGES>
         }
     }
     // the new state as the next chunk's tf32 operand (every warp read st before the first barrier above)
-#pragma unroll
-    for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
-            }
+    for_each_state(acc_s, i_base, [&](float a, int i, int j) { st[j * Sm::STLD + i] = tf32(a); });
 }
 
 // The scan's block: WARPS = 4, each warp taking token rows 16w .. 16w+15 of every token-row product and rows (dk)
@@ -424,18 +430,11 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
     // The state slice (the state warps' accumulators) and its tf32 copy st, the B operand of k S and q S.
     float acc_s[MS][NB][4];
     const int i_base = w4 * (S::DK / 4);
-    if (state_work) {
-#pragma unroll
-        for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                    acc_s[ms][nb][e] = has_state ? state_h[(size_t)j * S::DK + i] : 0.f;
-                    st[j * Sm::STLD + i] = tf32(acc_s[ms][nb][e]);
-                }
-    }
+    if (state_work)
+        for_each_state(acc_s, i_base, [&](float& a, int i, int j) {
+            a = has_state ? state_h[(size_t)j * S::DK + i] : 0.f;
+            st[j * Sm::STLD + i] = tf32(a);
+        });
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load(s);
@@ -526,16 +525,8 @@ __device__ void gdn_scan(const bf16* __restrict__ qkv, const float* __restrict__
         if constexpr (STAGES == 1) __syncthreads();  // the next load overwrites this chunk's stage
     }
     cp_async_wait<0>();
-    if (!state_work) return;
-#pragma unroll
-    for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = i_base + 16 * ms + gq + 8 * (e / 2), j = 8 * nb + 2 * tq + e % 2;
-                state_h[(size_t)j * S::DK + i] = acc_s[ms][nb][e];
-            }
+    if (state_work)
+        for_each_state(acc_s, i_base, [&](float a, int i, int j) { state_h[(size_t)j * S::DK + i] = a; });
 }
 // ---- gated RMSNorm of the output ------------------------------------------------------------------------------
 
