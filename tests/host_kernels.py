@@ -105,8 +105,7 @@ def split_add(x, w, y, bm: int, bn: int, splits: int, partials: np.ndarray, coun
     (M, K), N = x.shape, w.shape[0]
     tiles_n = math.ceil(N / bn)
     tiles = gemm_tiles(M, N, bm, bn)
-    xf, wf = x.astype(np.float32), w.astype(np.float32)
-    part = [xf[:, k0:k1] @ wf[:, k0:k1].T for k0, k1 in gemm.slices(K, splits)]  # gemm.reference's products
+    part = [gemm.product(x[:, k0:k1], w[:, k0:k1]) for k0, k1 in gemm.slices(K, splits)]  # gemm.reference's
     slots = partials.reshape(-1)[:splits * tiles * bm * bn].reshape(splits, tiles, bm, bn)
     for b in blocks:
         s, t = divmod(int(b), tiles)

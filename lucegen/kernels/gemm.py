@@ -176,21 +176,27 @@ def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") 
                * c.bm * c.bn / c.efficiency)
 
 
+def product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x w^T from bf16 (or fp32) operands, summed in float64 and rounded once to float32: what an exact fp32 GEMM
+    gives, the same for a row whatever the other rows (BLAS's float32 kernels, blocked by the matrix's shape, round a
+    row differently as M changes, so a prompt prefilled in chunks would not equal one pass)."""
+    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
 def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None,
               splits: int = 1) -> np.ndarray:
     """What the kernel writes, in float32 from the (bf16) inputs; `add` needs the fp32 array it adds into. With
     `splits` (an `add` only), K is cut as the kernel's slices are and their fp32 partials are summed in slice order,
     left to right, before the one add into y (the split kernel's order, bit for bit given the partials)."""
-    xf, wf = x.astype(np.float32), w.astype(np.float32)
     if splits > 1:
         if epilogue != "add":
             raise ValueError(f"split-K is for the `add` epilogue, not {epilogue!r}")
         total = None
         for k0, k1 in slices(x.shape[1], splits):
-            p = xf[:, k0:k1] @ wf[:, k0:k1].T
+            p = product(x[:, k0:k1], w[:, k0:k1])
             total = p if total is None else total + p
         return y + total
-    acc = xf @ wf.T
+    acc = product(x, w)
     if epilogue == "add":
         return y + acc
     if epilogue == "silu":
