@@ -42,19 +42,52 @@ __device__ __forceinline__ void for_each_pair(const float (&acc)[MI][NI][4], int
         }
 }
 
-// Visit the accumulators of a token-N wgmma tile (gemm_wgmma.cuh's WgmmaTokensNShape: rows are outputs, columns
-// tokens): f(token, output, value) for the warp's 16 outputs from out0 and the tile's 8J tokens from tok0.
-template <int J, class F>
-__device__ __forceinline__ void for_each_transposed(const float (&d)[J][4], int out0, int tok0, F&& f) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+// Where a token-N wgmma tile's accumulators go (gemm_wgmma.cuh's WgmmaTokensNShape: its rows are outputs, its
+// columns tokens): d[j][e] is Y[tok0 + 8j + 2t + e % 2][out0 + g + 8 (e / 2)] for lane g * 4 + t. The bounds are
+// taken once, as the tokens and outputs left from the thread's first element, so that an element's test and its
+// offset from that element are constants but for the row stride.
+struct TransposedTile {
+    int token, output, tokens, outputs;  // the thread's first element, and how many tokens / outputs from it are in Y
+    __device__ __forceinline__ TransposedTile(int out0, int tok0, int M, int N)
+        : token(tok0 + threadIdx.x % 4 * 2), output(out0 + threadIdx.x % 32 / 4), tokens(M - token),
+          outputs(N - output) {}
+    __device__ __forceinline__ bool in(int j, int e) const { return 8 * j + e % 2 < tokens && 8 * (e / 2) < outputs; }
+    __device__ __forceinline__ static int offset(int j, int e, int ld) { return (8 * j + e % 2) * ld + 8 * (e / 2); }
+};
+
+// *p = v where `pred`: a predicated store, not a branch around one.
+__device__ __forceinline__ void store_if(bf16* p, float v, bool pred) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %2, 0;\n"
+        "@p st.global.b16 [%0], %1;\n"
+        "}\n" ::"l"(p), "h"(__bfloat16_as_ushort(__float2bfloat16(v))), "r"(int(pred))
+        : "memory");
+}
+__device__ __forceinline__ void store_if(float* p, float v, bool pred) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %2, 0;\n"
+        "@p st.global.f32 [%0], %1;\n"
+        "}\n" ::"l"(p), "f"(v), "r"(int(pred))
+        : "memory");
+}
+
+// A token-N tile's accumulators stored as they are: Y [M, N] of bf16 or fp32.
+template <int J, class T>
+__device__ __forceinline__ void store_transposed(T* y, const float (&d)[J][4], int out0, int tok0, int M, int N) {
+    const TransposedTile tile(out0, tok0, M, N);
+    T* first = y + (size_t)tile.token * N + tile.output;
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) f(tok0 + 8 * j + 2 * t + e % 2, out0 + g + 8 * (e / 2), d[j][e]);
+        for (int e = 0; e < 4; ++e) store_if(first + tile.offset(j, e, N), d[j][e], tile.in(j, e));
 }
 
 // ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
-// Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (for_each_transposed).
+// Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (TransposedTile).
 
 struct StoreBf16 {  // Y [M, N] bf16
     bf16* y;
@@ -66,9 +99,7 @@ struct StoreBf16 {  // Y [M, N] bf16
     }
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
-        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
-            if (r < M && c < N) y[(size_t)r * N + c] = __float2bfloat16(v);
-        });
+        store_transposed(y, d, out0, tok0, M, N);
     }
 };
 
@@ -82,9 +113,7 @@ struct StoreF32 {  // Y [M, N] fp32
     }
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
-        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
-            if (r < M && c < N) y[(size_t)r * N + c] = v;
-        });
+        store_transposed(y, d, out0, tok0, M, N);
     }
 };
 
@@ -127,24 +156,21 @@ struct AddF32 {
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
         constexpr int CHUNK = J % 4 == 0 ? 4 : (J % 2 == 0 ? 2 : 1);
-        const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+        const TransposedTile tile(out0, tok0, M, N);
+        float* first = y + (size_t)tile.token * N + tile.output;
 #pragma unroll
         for (int j0 = 0; j0 < J; j0 += CHUNK) {
             float old[CHUNK][4];
 #pragma unroll
             for (int i = 0; i < CHUNK; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = tok0 + 8 * (j0 + i) + 2 * t + e % 2, c = out0 + g + 8 * (e / 2);
-                    old[i][e] = r < M && c < N ? y[(size_t)r * N + c] : 0.f;
-                }
+                for (int e = 0; e < 4; ++e)
+                    old[i][e] = tile.in(j0 + i, e) ? first[tile.offset(j0 + i, e, N)] : 0.f;
 #pragma unroll
             for (int i = 0; i < CHUNK; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = tok0 + 8 * (j0 + i) + 2 * t + e % 2, c = out0 + g + 8 * (e / 2);
-                    if (r < M && c < N) y[(size_t)r * N + c] = old[i][e] + d[j0 + i][e];
-                }
+                for (int e = 0; e < 4; ++e)
+                    if (tile.in(j0 + i, e)) first[tile.offset(j0 + i, e, N)] = old[i][e] + d[j0 + i][e];
         }
     }
 };
@@ -160,15 +186,24 @@ struct SiluMulBf16 {
             if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
         });
     }
-    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even and g + 1): the up value comes
-    // from lane + 4, and the even-g lanes store.
+    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even, and g + 1), each for tokens 2t
+    // and 2t + 1 (e % 2). One exchange per pair gives each lane an output: the gate lane token 2t's up value, the up
+    // lane token 2t + 1's gate value.
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
-        const bool gate = threadIdx.x % 32 / 4 % 2 == 0;
-        for_each_transposed(d, out0, tok0, [&](int r, int c, float v) {
-            const float up = __shfl_xor_sync(0xffffffffu, v, 4);
-            if (gate && r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(v) * up);
-        });
+        const TransposedTile tile(out0, tok0, M, N);
+        const int up_lane = threadIdx.x % 32 / 4 % 2;  // the tile's first element: token 2t, gate row g (or g - 1)
+        bf16* first = y + (size_t)(tile.token + up_lane) * (N / 2) + (tile.output - up_lane) / 2;
+        const int tokens = tile.tokens - up_lane, outputs = tile.outputs + up_lane;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // outputs g and g + 8
+                const float t0 = d[j][2 * h], t1 = d[j][2 * h + 1];  // tokens 2t and 2t + 1
+                const float theirs = __shfl_xor_sync(0xffffffffu, up_lane ? t0 : t1, 4);
+                const float gate = up_lane ? theirs : t0, up = up_lane ? t1 : theirs;
+                store_if(first + 8 * j * (N / 2) + 4 * h, silu(gate) * up, 8 * j < tokens && 8 * h < outputs);
+            }
     }
 };
 
