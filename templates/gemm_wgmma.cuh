@@ -70,11 +70,12 @@ struct IsSplitK<AddF32Cluster> {
     static constexpr bool value = true;
 };
 
-// A partial tile in shared memory: BM rows of BN fp32, rows STRIDE floats apart (8 past BN, so that the float2
-// stores of a warp's 8 rows x 4 column pairs fall in two wavefronts).
+// A partial tile in shared memory, as Y lays it out: BM rows (tokens) of BN fp32, rows STRIDE floats apart. 8 past
+// BN, so that the float2 stores of a warp's 8 rows x 4 column pairs fall in two wavefronts; for the token-N tile,
+// whose warps store single floats of 8 outputs x 8 tokens (2t, 2t + 1), 4 past BN, which puts them in 32 banks.
 template <class S>
 struct ClusterPartial {
-    static constexpr int STRIDE = S::BN + 8, BYTES = S::BM * STRIDE * 4;
+    static constexpr int STRIDE = S::BN + (S::TOKENS_N ? 4 : 8), BYTES = S::BM * STRIDE * 4;
     static_assert(BYTES <= S::STAGES * S::STAGE, "a partial tile fits where the stages were");
 };
 
@@ -218,22 +219,30 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);  // the item's last stage
         if (item + gridDim.x >= items) launch_next_grid();  // only the epilogue is left: the next kernel may launch
         const int m0 = work.tm * S::BM, n0 = work.tn * S::BN;
-        if constexpr (S::TOKENS_N) {
-            static_assert(!IsSplitK<Epilogue>::value, "the token-N tile does not split K");
-            epilogue.transposed(acc[0][0], n0 + row, m0, M, N);
-        } else if constexpr (SPLIT) {  // the partial into this block's shared memory, then the cluster adds them
+        if constexpr (SPLIT) {  // the partial into this block's shared memory, then the cluster adds them
             constexpr int STRIDE = ClusterPartial<S>::STRIDE;
             float* partial = reinterpret_cast<float*>(smem);
             named_barrier(1, 128 * S::CONSUMERS);  // every consumer's wgmma is done with the stages
+            if constexpr (S::TOKENS_N) {
+                const TransposedTile tile(row, 0, S::BM, S::BN);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                for_each_pair(acc[nt], row, nt * 128, [&](int r, int col, float a, float b) {
-                    *reinterpret_cast<float2*>(partial + r * STRIDE + col) = make_float2(a, b);
-                });
+                for (int j = 0; j < NT * WN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        partial[tile.token * STRIDE + tile.output + tile.offset(j, e, STRIDE)] = acc[0][0][j][e];
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    for_each_pair(acc[nt], row, nt * 128, [&](int r, int col, float a, float b) {
+                        *reinterpret_cast<float2*>(partial + r * STRIDE + col) = make_float2(a, b);
+                    });
+            }
             cluster_barrier();
             cluster_split_add<S, 128 * S::CONSUMERS, MAX_SPLITS>(partial, rank, splits, threadIdx.x - 128, epilogue.y,
                                                                  m0, n0, M, N);
             cluster_barrier();
+        } else if constexpr (S::TOKENS_N) {
+            epilogue.transposed(acc[0][0], n0 + row, m0, M, N);
         } else {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) epilogue(acc[nt], m0 + row, n0 + nt * 128, M, N);

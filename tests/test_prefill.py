@@ -48,7 +48,7 @@ def test_every_gemm_method_the_chip_allows_compiles(tmp_path, spec):
     test_prefill_kernels_compile_for_the_test_model covers the selected one."""
     result = build(spec, TINY, gemm.units(spec), root=tmp_path)
     reports = {k.name: k for k in result.kernels}
-    configs = {gemm.kernel_name(c, e): c for c in gemm.tile_configs(spec) for e in gemm.kernel_epilogues(c)}
+    configs = {gemm.kernel_name(c, e): c for c in gemm.tile_configs(spec) for e in gemm.KERNEL_EPILOGUES}
     assert reports.keys() == configs.keys()
     for name, c in configs.items():
         k = reports[name]
@@ -79,8 +79,9 @@ def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method
 
 
 def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
-    """At 520 tokens (3 token tiles of 176) the 0.8B's in-projection is one wave of 176x192 tiles and its attention
-    qkv one of 176x128; at 4096 tokens the 128x256 tile takes every projection."""
+    """At 520 tokens (3 token tiles of 176) the 0.8B's in-projection is one wave of 176x192 tiles, its attention
+    qkv one of 176x128, and its residual adds 176x128 tiles split along K; at 4096 tokens the 128x256 tile takes
+    every projection."""
     h200, cfg = load_spec("h200"), REAL[0]
     in_rows = cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
     wide = gemm.choose(h200, 520, in_rows, cfg.hidden_size, "f32")
@@ -88,7 +89,9 @@ def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
     qkv = gemm.choose(h200, 520, cfg.q_proj_rows + 2 * cfg.kv_dim, cfg.hidden_size, "bf16")
     assert qkv.tokens_n and qkv.name == "wt176x128"
     assert gemm.choose(h200, 4096, in_rows, cfg.hidden_size, "f32") == gemm.tile_configs(h200)[0]
-    assert all(gemm.splits(h200, c, 520, 1024, 2048, "add") == 1 for c in gemm.tile_configs(h200) if c.tokens_n)
+    for k in (2048, 3584):  # the residual adds: token-N tiles, K split over a cluster (the most the spec allows)
+        add = gemm.choose(h200, 520, 1024, k, "add")
+        assert add.tokens_n and gemm.splits(h200, add, 520, 1024, k, "add") == h200.tuning.prefill.split_k
 
 
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)

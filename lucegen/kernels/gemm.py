@@ -146,7 +146,7 @@ def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str)
     the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each, tiles x slices <= one wave of resident blocks,
     which bounds the workspace) that least loads the busiest SM, the fewest on a tie."""
     tiles, wave = c.tiles(m, n), spec.chip.sm_count * c.min_blocks
-    if epilogue != "add" or tiles >= spec.chip.sm_count or c.tokens_n:
+    if epilogue != "add" or tiles >= spec.chip.sm_count:
         return 1
     most = max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE, wave // tiles))
     return min(range(1, most + 1), key=lambda s: (_waves(spec, c, m, n, s), s))
@@ -212,11 +212,6 @@ def kernel_name(config: TileConfig, epilogue: str) -> str:
     return f"gemm_{config.name}_{epilogue}"
 
 
-def kernel_epilogues(config: TileConfig) -> list[str]:
-    """The epilogues config's kernels are compiled with: all, but split-K's for the token-N tiles (never split)."""
-    return [e for e in KERNEL_EPILOGUES if not (config.tokens_n and e == SPLIT_ADD)]
-
-
 def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
     """One unit per chip (the model's shapes are launch arguments)."""
     configs = tile_configs(spec)
@@ -231,7 +226,7 @@ def units(spec: ChipSpec, model: ModelConfig | None = None) -> list[KernelUnit]:
                       for e, (f, t, d) in _kernel_epilogues(method).items()],
     }
     sigs = tuple(KernelSig(kernel_name(c, e), c.threads, dynamic_smem=c.smem) for c in configs
-                 for e in kernel_epilogues(c))
+                 for e in KERNEL_EPILOGUES)
     return [KernelUnit("prefill_gemm", "prefill_gemm.cu.j2", params, sigs, arch_specific=method == "wgmma")]
 
 
@@ -269,7 +264,7 @@ class Gemm:
         self.spec = spec
         self.kernels, self.resident = {}, {}
         for c in tile_configs(spec):
-            for e in kernel_epilogues(c):
+            for e in KERNEL_EPILOGUES:
                 k = module.kernel(kernel_name(c, e))
                 if c.smem > 48 * 1024:
                     k.set_max_dynamic_smem(c.smem)
