@@ -87,15 +87,19 @@ __device__ __forceinline__ void store_transposed(T* y, const float (&d)[J][4], i
 }
 
 // ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
-// Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (TransposedTile).
+// Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (TransposedTile). A PAIRWISE one
+// writes Y without reading it, a pair of adjacent columns at a time (`pair(r, c, Y[r][c], Y[r][c + 1], M, N)`), so
+// that a tile staged in shared memory can be stored in whole rows (gemm_wgmma.cuh's staged_epilogue).
 
 struct StoreBf16 {  // Y [M, N] bf16
     bf16* y;
+    static constexpr bool PAIRWISE = true;
+    __device__ __forceinline__ void pair(int r, int c, float a, float b, int M, int N) const {
+        if (r < M && c < N) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r * N + c) = __floats2bfloat162_rn(a, b);
+    }
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
-            if (r < M && c < N) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r * N + c) = __floats2bfloat162_rn(a, b);
-        });
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) { pair(r, c, a, b, M, N); });
     }
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
@@ -105,11 +109,13 @@ struct StoreBf16 {  // Y [M, N] bf16
 
 struct StoreF32 {  // Y [M, N] fp32
     float* y;
+    static constexpr bool PAIRWISE = true;
+    __device__ __forceinline__ void pair(int r, int c, float a, float b, int M, int N) const {
+        if (r < M && c < N) *reinterpret_cast<float2*>(y + (size_t)r * N + c) = make_float2(a, b);
+    }
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) {
-            if (r < M && c < N) *reinterpret_cast<float2*>(y + (size_t)r * N + c) = make_float2(a, b);
-        });
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) { pair(r, c, a, b, M, N); });
     }
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
@@ -122,6 +128,7 @@ struct StoreF32 {  // Y [M, N] fp32
 // the compiler knows (rows r and r + 8 are N apart), so pair by pair each read-modify-write waited a round trip.
 struct AddF32 {
     float* y;
+    static constexpr bool PAIRWISE = false;  // each pair reads Y before it writes it: see transposed's batches
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
         constexpr int CHUNK = NI < 8 ? NI : 8;
@@ -180,29 +187,27 @@ struct AddF32 {
 // and the up value of one output.
 struct SiluMulBf16 {
     bf16* y;
+    static constexpr bool PAIRWISE = true;
+    __device__ __forceinline__ void pair(int r, int c, float gate, float up, int M, int N) const {
+        if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
+    }
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float gate, float up) {
-            if (r < M && c < N) y[(size_t)r * (N / 2) + c / 2] = __float2bfloat16(silu(gate) * up);
-        });
+        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) { pair(r, c, a, b, M, N); });
     }
-    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even, and g + 1), each for tokens 2t
-    // and 2t + 1 (e % 2). One exchange per pair gives each lane an output: the gate lane token 2t's up value, the up
-    // lane token 2t + 1's gate value.
+    // A token-N tile holds gate row 2i and up row 2i + 1 in lanes 4 apart (g even and g + 1): the up value comes
+    // from lane + 4, and the even-g lanes store.
     template <int J>
     __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
         const TransposedTile tile(out0, tok0, M, N);
-        const int up_lane = threadIdx.x % 32 / 4 % 2;  // the tile's first element: token 2t, gate row g (or g - 1)
-        bf16* first = y + (size_t)(tile.token + up_lane) * (N / 2) + (tile.output - up_lane) / 2;
-        const int tokens = tile.tokens - up_lane, outputs = tile.outputs + up_lane;
+        const bool gate = threadIdx.x % 32 / 4 % 2 == 0;
+        bf16* first = y + (size_t)tile.token * (N / 2) + tile.output / 2;
 #pragma unroll
         for (int j = 0; j < J; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // outputs g and g + 8
-                const float t0 = d[j][2 * h], t1 = d[j][2 * h + 1];  // tokens 2t and 2t + 1
-                const float theirs = __shfl_xor_sync(0xffffffffu, up_lane ? t0 : t1, 4);
-                const float gate = up_lane ? theirs : t0, up = up_lane ? t1 : theirs;
-                store_if(first + 8 * j * (N / 2) + 4 * h, silu(gate) * up, 8 * j < tokens && 8 * h < outputs);
+            for (int e = 0; e < 4; ++e) {
+                const float up = __shfl_xor_sync(0xffffffffu, d[j][e], 4);
+                store_if(first + (8 * j + e % 2) * (N / 2) + 4 * (e / 2), silu(d[j][e]) * up, gate && tile.in(j, e));
             }
     }
 };

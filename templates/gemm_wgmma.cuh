@@ -117,6 +117,21 @@ __device__ __forceinline__ void cluster_split_add(const float* mine, int rank, i
     }
 }
 
+// A PAIRWISE epilogue of a tile staged in shared memory (ClusterPartial's layout) by consumer threads tid = 0 ..
+// 128 CONSUMERS - 1: a warp stores 32 adjacent column pairs of a row of Y at a time.
+template <class S, class Epilogue>
+__device__ __forceinline__ void store_staged(const float* tile, const Epilogue& epilogue, int tid, int m0, int n0,
+                                             int M, int N) {
+    constexpr int PAIRS = S::BN / 2, STRIDE = ClusterPartial<S>::STRIDE, THREADS = 128 * S::CONSUMERS;
+    const int pairs = min(S::BM, M - m0) * PAIRS;
+#pragma unroll 4
+    for (int e = tid; e < pairs; e += THREADS) {
+        const int r = e / PAIRS, c = e % PAIRS * 2;
+        const float2 v = *reinterpret_cast<const float2*>(tile + r * STRIDE + c);
+        epilogue.pair(m0 + r, n0 + c, v.x, v.y, M, N);
+    }
+}
+
 // Y = X W^T by a persistent grid; xmap and wmap are 2-D bf16 tensor maps of X [M, K] and W [N, K] with boxes of
 // BK x BM and BK x BN and the 128-byte swizzle. Work items (gemm_work) are the ceil(M/BM) * ceil(N/BN) tiles, times
 // the slices of K for split-K (whose launch has one block per item, in clusters of splits = gridDim.x / tiles:
@@ -187,7 +202,7 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
     int it = 0;  // k tiles consumed so far, over all items
     auto consume = [&](int item) {
         const GemmWork work = gemm_work<S>(M, N, K, item, splits);
-        constexpr int NT = S::WGMMAS, WN = S::WGMMA_N;
+        constexpr int NT = S::WGMMAS, WN = S::WGMMA_N, STRIDE = ClusterPartial<S>::STRIDE;
         float acc[NT][1][WN / 8][4];  // the first wgmma (k tile 0, kk 0) overwrites them
 #pragma unroll 1
         for (int kt = 0; kt < work.k_tiles; ++kt, ++it) {
@@ -219,29 +234,41 @@ __device__ void gemm_wgmma_tn(const TensorMap& xmap, const TensorMap& wmap, int 
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[(it - 1) % S::STAGES]);  // the item's last stage
         if (item + gridDim.x >= items) launch_next_grid();  // only the epilogue is left: the next kernel may launch
         const int m0 = work.tm * S::BM, n0 = work.tn * S::BN;
-        if constexpr (SPLIT) {  // the partial into this block's shared memory, then the cluster adds them
-            constexpr int STRIDE = ClusterPartial<S>::STRIDE;
-            float* partial = reinterpret_cast<float*>(smem);
+        float* staged = reinterpret_cast<float*>(smem);  // the tile in Y's layout, where the stages were
+        auto stage_tile = [&] {
             named_barrier(1, 128 * S::CONSUMERS);  // every consumer's wgmma is done with the stages
             if constexpr (S::TOKENS_N) {
                 const TransposedTile tile(row, 0, S::BM, S::BN);
 #pragma unroll
-                for (int j = 0; j < NT * WN / 8; ++j)
+                for (int j = 0; j < WN / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        partial[tile.token * STRIDE + tile.output + tile.offset(j, e, STRIDE)] = acc[0][0][j][e];
+                        staged[tile.token * STRIDE + tile.output + tile.offset(j, e, STRIDE)] = acc[0][0][j][e];
             } else {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     for_each_pair(acc[nt], row, nt * 128, [&](int r, int col, float a, float b) {
-                        *reinterpret_cast<float2*>(partial + r * STRIDE + col) = make_float2(a, b);
+                        *reinterpret_cast<float2*>(staged + r * STRIDE + col) = make_float2(a, b);
                     });
             }
+        };
+        if constexpr (SPLIT) {  // the partials into the blocks' shared memory, then the cluster adds them
+            stage_tile();
             cluster_barrier();
-            cluster_split_add<S, 128 * S::CONSUMERS, MAX_SPLITS>(partial, rank, splits, threadIdx.x - 128, epilogue.y,
+            cluster_split_add<S, 128 * S::CONSUMERS, MAX_SPLITS>(staged, rank, splits, threadIdx.x - 128, epilogue.y,
                                                                  m0, n0, M, N);
             cluster_barrier();
         } else if constexpr (S::TOKENS_N) {
+            // The block's last tile goes through shared memory, stored in whole rows of Y; before it, the stages are
+            // busy with the next tile's loads, and the accumulators go to Y as they lie (8 rows of 16 bytes a store).
+            if constexpr (Epilogue::PAIRWISE) {
+                if (item + gridDim.x >= items) {
+                    stage_tile();
+                    named_barrier(1, 128 * S::CONSUMERS);
+                    store_staged<S>(staged, epilogue, threadIdx.x - 128, m0, n0, M, N);
+                    return;
+                }
+            }
             epilogue.transposed(acc[0][0], n0 + row, m0, M, N);
         } else {
 #pragma unroll
