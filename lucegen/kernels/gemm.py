@@ -28,7 +28,10 @@ block resets the tile's counter to zero, so the counters (a small buffer the Gem
 before every launch and no memset runs per call; no block ever waits for another. With wgmma (sm_90) a tile's
 slices run as one cluster of blocks instead: each keeps its partial in its shared memory, and block r adds rows r,
 r + splits, ... of the tile from all the partials, read through distributed shared memory in the same order (no
-workspace, no counters).
+workspace, no counters). The token-N tiles split too (their partials stored transposed, as Y lays them out): a short
+prompt's residual adds take 176-token tiles, whose blocks read less of X and W from L2 per FLOP than 64-row ones.
+A token-N block's last tile goes the same way through shared memory for the epilogues that only write Y, which
+then store whole rows of it instead of the accumulators' 16-byte pieces of 8 rows.
 """
 from __future__ import annotations
 

@@ -181,7 +181,17 @@ def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue,
 SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
 
 
-@pytest.mark.parametrize("tile", ["large", "small"])
+SPLIT_TILES = ["large", "small", "token_n_192", "token_n_128"]  # gemm.tile_configs' order; token-N: wgmma's only
+
+
+def split_tile(spec, tile: str):
+    configs = gemm.tile_configs(spec)
+    if SPLIT_TILES.index(tile) >= len(configs):
+        pytest.skip(f"{spec.name} ({spec.tuning.prefill.gemm}) has no {tile} tile")
+    return configs[SPLIT_TILES.index(tile)]
+
+
+@pytest.mark.parametrize("tile", SPLIT_TILES)
 @pytest.mark.parametrize("method", GEMM_METHODS)
 @pytest.mark.parametrize("m, n, k", SPLIT_SHAPES)
 def test_split_k_gemm_sums_its_slices_in_slice_order(gemms, method, tile, m, n, k):
@@ -189,7 +199,7 @@ def test_split_k_gemm_sums_its_slices_in_slice_order(gemms, method, tile, m, n, 
     split kernel gives gemm.reference(..., splits) bit for bit, launch after launch: Y0 + ((p_0 + p_1) + ...). Summing
     the slices in any other order, or adding them into Y one by one, gives other bits on these inputs."""
     op, spec = gemms(method)
-    config = gemm.tile_configs(spec)[tile == "small"]
+    config = split_tile(spec, tile)
     s = gemm.splits(spec, config, m, n, k, "add")
     if s == 1:
         pytest.skip(f"{spec.name}: no split of {m}x{n}x{k} with {config.name} tiles")
@@ -211,7 +221,7 @@ def test_split_k_gemm_sums_its_slices_in_slice_order(gemms, method, tile, m, n, 
                                           f"from the slice-order sum of {s} slices")
 
 
-@pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("tile", SPLIT_TILES)
 @pytest.mark.parametrize("method", GEMM_METHODS)
 @SETTINGS
 @given(m=st.one_of(st.sampled_from([520, 64, 1000]), st.integers(1, 1100)), n16=st.integers(1, 80),
@@ -220,7 +230,7 @@ def test_split_k_gemm_is_deterministic(gemms, method, tile, m, n16, k, seed):
     """A split `add` launched again on the same inputs gives the same bits (run to run; the counters left at zero by
     each launch), within the fp32 tolerance of the reference."""
     op, spec = gemms(method)
-    config = gemm.tile_configs(spec)[tile == "small"]
+    config = split_tile(spec, tile)
     n = 16 * n16 - 2 * (seed % 8)
     s = gemm.splits(spec, config, m, n, k, "add")
     rng = np.random.default_rng(seed)
