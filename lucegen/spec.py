@@ -104,11 +104,22 @@ class LayeredTuning:
 
 
 @dataclass(frozen=True)
+class ModelThreads:
+    model: str    # a model config's name (qwen3.5-27b)
+    threads: int
+
+
+@dataclass(frozen=True)
 class MegakernelTuning:
     blocks: int
     threads: int
     prefetch_distance: int = 1  # phases ahead whose state, KV and norm weights idle blocks pull into L2
     weight_prefetch_tiles: int = 0  # weight tiles beyond the ring's that each block asks L2 for
+    model_threads: tuple[ModelThreads, ...] = ()  # models whose megakernel (and tree attention) takes other threads
+
+    def threads_for(self, model: str) -> int:
+        """Threads per block of `model`'s megakernel and tree attention."""
+        return next((m.threads for m in self.model_threads if m.model == model), self.threads)
 
 
 @dataclass(frozen=True)
@@ -329,6 +340,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if mk.blocks <= 0:
         _fail(source, "tuning.megakernel.blocks", "a persistent kernel needs at least one block")
     _check_launch(spec, source, "tuning.megakernel", mk.threads, mk.blocks)
+    for i, m in enumerate(mk.model_threads):
+        _check_launch(spec, source, f"tuning.megakernel.model_threads[{i}]", m.threads, mk.blocks)
     if mk.prefetch_distance < 0:
         _fail(source, "tuning.megakernel.prefetch_distance", "must be >= 0")
     if mk.weight_prefetch_tiles < 0:

@@ -14,8 +14,18 @@ SHIPPED = ("rtx3090", "rtx4090", "rtx5090", "a100", "h100", "h200")
 def test_every_chip_has_a_valid_spec():
     assert set(SHIPPED) <= set(list_specs())
     for spec in all_specs():
-        assert spec.tuning.megakernel.blocks <= spec.max_coresident_blocks(spec.tuning.megakernel.threads)
+        mk = spec.tuning.megakernel
+        for threads in (mk.threads, *(m.threads for m in mk.model_threads)):
+            assert mk.blocks <= spec.max_coresident_blocks(threads)
         assert spec.chip.read_gbs > 0
+
+
+def test_a_model_may_take_its_own_megakernel_threads(tmp_path):
+    """tuning.megakernel.model_threads: the named model's megakernel and tree attention take its thread count, every
+    other model the spec's."""
+    path = _write(tmp_path, _set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b", "threads": 256}]))
+    mk = load_spec(path).tuning.megakernel
+    assert mk.threads_for("qwen3.5-27b") == 256 and mk.threads_for("qwen3.5-0.8b") == mk.threads != 256
 
 
 def test_registers_bound_the_blocks_an_sm_holds_by_whole_warp_groups():
@@ -72,6 +82,10 @@ def _delete(path: str):
     (_set("tuning.megakernel.blocks", 10_000), "tuning.megakernel.blocks", "cannot all be co-resident"),
     (_set("tuning.megakernel.threads", 100), "tuning.megakernel.threads", "multiple of 32"),
     (_set("tuning.megakernel.weight_prefetch_tiles", -1), "tuning.megakernel.weight_prefetch_tiles", ">= 0"),
+    (_set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b", "threads": 100}]),
+     "tuning.megakernel.model_threads[0].threads", "multiple of 32"),
+    (_set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b"}]), "tuning.megakernel.model_threads[0].threads",
+     "missing required key"),
     (_set("chip.arch", "sm_42"), "chip.arch", "not supported by the installed NVRTC"),
     (_set("chip.arch", "ampere"), "chip.arch", "expected an arch"),
     (_set("tuning.kv_format", "int2"), "tuning.kv_format", "is not one of"),

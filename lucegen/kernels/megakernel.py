@@ -150,7 +150,7 @@ class Layout:
     def __init__(self, cfg: ModelConfig, spec: ChipSpec, traced: bool = False):
         self.cfg, self.spec, self.traced = cfg, spec, traced  # traced: the timeline's stamps compiled in (timing)
         mk = spec.tuning.megakernel
-        self.blocks, self.threads = mk.blocks, mk.threads
+        self.blocks, self.threads = mk.blocks, mk.threads_for(cfg.name)
         self.warps = self.threads // 32
         self.prefetch = mk.prefetch_distance
         H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size

@@ -195,10 +195,10 @@ def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
 
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     """Why the tree kernels cannot take this model on this chip, or None."""
-    mk = spec.tuning.megakernel
+    warps = spec.tuning.megakernel.threads_for(cfg.name) // 32
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    if group + 2 > mk.threads // 32:
-        return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {mk.threads // 32}"
+    if group + 2 > warps:
+        return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {warps}"
     max_nodes = spec.tuning.ddtree.capacity + 1
     smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
@@ -216,6 +216,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
     if not model.linear_layers or not model.full_layers or shape_problem(model, spec):
         return []
     mk, cfg = spec.tuning.megakernel, model
+    threads = mk.threads_for(cfg.name)
     max_nodes = spec.tuning.ddtree.capacity + 1
     hexf = lambda v: float(np.float32(v)).hex() + "f"
     params = dict(
@@ -224,11 +225,11 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
                  dv=cfg.linear_value_head_dim, conv_k=cfg.linear_conv_kernel_dim, key_dim=cfg.key_dim,
                  value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
-                 min_chunk=2 * (mk.threads // 32)),
-        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=mk.threads, att_blocks=mk.blocks,
+                 min_chunk=2 * (threads // 32)),
+        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks,
         max_nodes=max_nodes)
     sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
-            KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", mk.threads),
+            KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", threads),
             KernelSig("tree_kv_commit", KV_THREADS))
     return [KernelUnit(unit_name(tiled), "tree.cu.j2", {**params, "tiled": tiled}, sigs) for tiled in orders]
 
@@ -264,7 +265,7 @@ class TreeKernels:
         self.cfg, self.spec = cfg, spec
         mk = spec.tuning.megakernel
         self.max_nodes = spec.tuning.ddtree.capacity + 1
-        self.att_blocks, self.att_threads = mk.blocks, mk.threads
+        self.att_blocks, self.att_threads = mk.blocks, mk.threads_for(cfg.name)
         self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
         self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
         smem = dn_smem(cfg, stack_levels(self.max_nodes), self.max_nodes)
