@@ -12,10 +12,14 @@ OUT=${OUT:-/tmp/lucegen-out}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if compgen -G ".wheels/*.whl" >/dev/null; then   # packages the GPU image lacks (gguf), carried as wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# packages the GPU image lacks, carried as wheels: gguf for every stage; flash-linear-attention (fla) only for the
+# bench's HF peer, since the HF-parity tests need HF on its torch reference ops (tools/hf_parity.py refuses fla)
+for wheel in .wheels/*.whl; do
+    [ -e "$wheel" ] || continue
+    case $(basename "$wheel") in fla*|flash_linear_attention*) site=/tmp/site-peers ;; *) site=/tmp/site ;; esac
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $site "$wheel"
+done
+[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 stages=${*:-tests parity bench demo}
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
@@ -37,7 +41,8 @@ for stage in $stages; do
                                "speculative --model random:qwen3.5-27b:q4_k_m"} \
                              ${LUCEGEN_CHECKPOINT:+"prompts --set humaneval --model $LUCEGEN_CHECKPOINT --limit 3 \
                                ${LUCEGEN_DRAFT:+--draft $LUCEGEN_DRAFT --mode ddtree}"}; do
-                    python3 -m lucegen.cli bench $suite --results "$LOGS/results.jsonl" 2>&1 \
+                    PYTHONPATH="$PYTHONPATH${PYTHONPATH:+:}/tmp/site-peers" \
+                        python3 -m lucegen.cli bench $suite --results "$LOGS/results.jsonl" 2>&1 \
                         | tee "$LOGS/bench-$(printf %s "$suite" | tr -c 'a-zA-Z0-9_.-' '_').txt"
                     status=$((status | ${PIPESTATUS[0]}))
                 done ;;
