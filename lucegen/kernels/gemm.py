@@ -180,10 +180,14 @@ def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") 
 
 
 def product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x w^T from bf16 (or fp32) operands, summed in float64 and rounded once to float32: what an exact fp32 GEMM
-    gives, the same for a row whatever the other rows (BLAS's float32 kernels, blocked by the matrix's shape, round a
-    row differently as M changes, so a prompt prefilled in chunks would not equal one pass)."""
-    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+    """x w^T in float32 from bf16 (or fp32) operands, row by row: a row's sums do not depend on the other rows
+    (BLAS's float32 GEMM blocks a matrix by its shape, and OpenBLAS 0.3.31 rounds a row differently as M changes,
+    so a prompt prefilled in chunks would not equal one pass)."""
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    out = np.empty((x32.shape[0], w32.shape[0]), np.float32)
+    for i, row in enumerate(x32):
+        out[i] = w32 @ row
+    return out
 
 
 def reference(x: np.ndarray, w: np.ndarray, epilogue: str, y: np.ndarray | None = None,
