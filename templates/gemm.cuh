@@ -89,7 +89,7 @@ __device__ __forceinline__ void store_transposed(T* y, const float (&d)[J][4], i
 // ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
 // Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (TransposedTile). A PAIRWISE one
 // writes Y without reading it, a pair of adjacent columns at a time (`pair(r, c, Y[r][c], Y[r][c + 1], M, N)`), so
-// that a tile staged in shared memory can be stored in whole rows (gemm_wgmma.cuh's staged_epilogue).
+// that a tile staged in shared memory can be stored in whole rows (gemm_wgmma.cuh's store_staged).
 
 struct StoreBf16 {  // Y [M, N] bf16
     bf16* y;
