@@ -87,7 +87,7 @@ def test_bench_gemms_times_each_shape_and_variant_over_graph_replays(monkeypatch
     monkeypatch.setattr(bench, "Graph", FakeGraph)
     monkeypatch.setattr(bench, "synchronize", lambda: None)
     monkeypatch.setattr(bench, "median_ms", lambda fn, stream, **k: 0.2)  # 200 us a replay: 10 us a launch
-    monkeypatch.setattr(bench, "torch_graph_us", lambda m, n, k: None)
+    monkeypatch.setattr(bench, "peer", lambda *a, **k: None)  # no torch peer
     monkeypatch.setattr(bench.DeviceArray, "from_numpy", staticmethod(lambda a: FakeArray()))
     monkeypatch.setattr(bench.DeviceArray, "zeros", staticmethod(lambda *a, **k: FakeArray()))
     spec, cfg = load_spec("h200"), load_config("qwen3.5-0.8b")

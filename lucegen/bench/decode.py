@@ -11,15 +11,13 @@
                  per phase kind, the wall time and its parts (barrier exit, staging, GEMV, tail) on the critical
                  path, and how often DRAM had the GEMV's first tiles in the ring before it started
     HF           transformers' Qwen3_5ForCausalLM (bf16, eager) decoding greedily in the same run, when torch and
-                 transformers import
+                 transformers import (in a process of its own: bench/peers.py, torch_peers.hf_decode)
 
 Every number goes to results/<gpu>.jsonl through Recorder, with its limit where one applies. Energy (tok/J) is the
 `energy` suite (bench/energy.py), over the same engine and the same HF peer.
 """
 from __future__ import annotations
 
-import importlib.util
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +28,7 @@ from ..model.config import LINEAR, ModelConfig, load_config
 from ..runtime import DeviceArray, Stream
 from ..spec import ChipSpec, spec_for_current_device
 from .gemv import measure_read_gbs
+from .peers import peer
 from .results import Recorder
 from .timeline import analyse
 from .timing import median_ms
@@ -55,54 +54,6 @@ def kind_bytes(layout: Layout) -> dict[str, int]:
             out["lin_rec"] += 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     out["lm_head"] = layout.lm_head.nbytes
     return out
-
-
-class HFDecoder:
-    """HF transformers' Qwen3_5ForCausalLM (bf16, eager attention, random init) decoding greedily on the GPU; the
-    peer of the decode and energy suites. open() gives None without torch and transformers. Where the
-    flash-linear-attention wheel is installed, transformers runs the DeltaNet layers through it (the label says so)."""
-
-    def __init__(self, torch, model, label: str):
-        self.torch, self.model, self.label = torch, model, label
-
-    @classmethod
-    def open(cls, cfg: ModelConfig) -> "HFDecoder | None":
-        try:
-            import torch
-            import transformers
-            from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-        except ImportError:
-            return None
-        except Exception as e:  # seen on the lab image: torch's own import failing inside some processes
-            print(f"HF peer skipped: importing torch failed ({type(e).__name__}: {e})")
-            return None
-        fla = " + fla" if importlib.util.find_spec("fla") else ""
-        text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
-        with torch.device("cuda"):
-            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager"))
-        return cls(torch, model.to(torch.bfloat16).eval(),
-                   f"transformers {transformers.__version__} Qwen3_5ForCausalLM bf16 eager{fla}")
-
-    def decode(self, n: int = HF_TOKENS) -> None:
-        """A 1-token prompt, then n greedy steps; waits for the GPU."""
-        torch, model = self.torch, self.model
-        with torch.no_grad():
-            ids = torch.tensor([[1]], device="cuda")
-            out = model(input_ids=ids, use_cache=True)
-            for _ in range(n):
-                ids = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=ids, past_key_values=out.past_key_values, use_cache=True)
-        torch.cuda.synchronize()
-
-    def tok_s(self) -> float:
-        self.decode(4)
-        t0 = time.perf_counter()
-        self.decode(HF_TOKENS)
-        return HF_TOKENS / (time.perf_counter() - t0)
-
-    def close(self) -> None:
-        del self.model
-        self.torch.cuda.empty_cache()
 
 
 def timeline(setup: "Setup", tokens: list[int], stream: Stream, rec: Recorder) -> None:
@@ -226,12 +177,10 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
 
     timeline(setup, forced[:TRACE_STEPS], stream, rec)
 
-    hf = HFDecoder.open(cfg)
+    hf = peer("hf_decode", cfg.to_hf_dict()["text_config"], HF_TOKENS)
     if hf is None:
-        print("  HF transformers: torch or transformers not installed, skipped")
+        print("  HF transformers: no torch peer (not installed, or its process failed), skipped")
     else:
-        hf_tok_s = hf.tok_s()
-        hf.close()
-        rec.record("hf_tg_tok_s", name, hf_tok_s, "tok/s", None, megakernel_speedup=round(tok_s / hf_tok_s, 1),
-                   peer=hf.label)
+        rec.record("hf_tg_tok_s", name, hf["tok_s"], "tok/s", None, megakernel_speedup=round(tok_s / hf["tok_s"], 1),
+                   peer=hf["label"])
     engine.free()

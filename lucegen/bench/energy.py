@@ -6,19 +6,20 @@ launches back to back for ENERGY_SECONDS. Records:
     tok_per_joule   tokens / joules; limit: the tokens per joule of the bandwidth limit's rate at the same power
                     (what the same watts would give if every token only streamed its weights at the spec's read rate)
     decode_watts    the mean power over the run; limit: the board's enforced power limit
-    HF              transformers (bench.decode.HFDecoder) decoding greedily for as long, when torch imports
+    HF              transformers decoding greedily for as long, when torch imports (bench/torch_peers.py, in a process
+                    of its own; it reads the same NVML counter)
 
 Without pynvml (the nvidia-ml-py package) the suite says so and records nothing.
 """
 from __future__ import annotations
 
 import importlib.util
-import time
-from typing import Callable
 
 from ..runtime import Stream
 from ..runtime.driver import call
-from .decode import HF_TOKENS, TG, HFDecoder, Setup
+from .decode import HF_TOKENS, TG, Setup
+from .nvml import measure_energy
+from .peers import peer
 from .results import Recorder
 
 ENERGY_SECONDS = 6.0
@@ -27,27 +28,6 @@ ENERGY_SECONDS = 6.0
 def pci_bus_id(ordinal: int = 0) -> str:
     """The PCI bus id ("0000:1b:00.0") of CUDA device `ordinal` as this process sees it."""
     return call("cuDeviceGetPCIBusId", 32, call("cuDeviceGet", ordinal)).split(b"\0")[0].decode()
-
-
-def measure(seconds: float, run: Callable[[], None]) -> tuple[float, int, float, float]:
-    """(joules, calls, seconds, enforced power limit in watts) over calls of `run` (which waits for the GPU)
-    back to back for at least `seconds`."""
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        # the GPU the runtime uses, by its PCI bus id: NVML numbers every GPU of the machine, whatever
-        # CUDA_VISIBLE_DEVICES hides from CUDA
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id())
-        run()  # warm
-        e0, t0, n = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            run()
-            n += 1
-        elapsed = time.perf_counter() - t0
-        joules = (pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) - e0) / 1e3  # mJ
-        return joules, n, elapsed, pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3  # mW
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: float = ENERGY_SECONDS) -> None:
@@ -63,7 +43,8 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: 
         engine.enqueue([1], TG - 1, stream=stream)
         stream.synchronize()
 
-    joules, launches, elapsed, power_limit = measure(seconds, tg128)
+    bus_id = pci_bus_id()
+    joules, launches, elapsed, power_limit = measure_energy(bus_id, seconds, tg128)
     tokens, watts = launches * TG, joules / elapsed
     tok_j = tokens / joules
     rec.record("tok_per_joule", setup.name, tok_j, "tok/J", setup.limit / watts, watts=round(watts, 1),
@@ -71,13 +52,11 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b", seconds: 
     rec.record("decode_watts", setup.name, watts, "W", power_limit, tok_s=round(tokens / elapsed, 1))
     engine.free()
 
-    hf = HFDecoder.open(setup.cfg)
+    hf = peer("hf_decode", setup.cfg.to_hf_dict()["text_config"], HF_TOKENS, seconds, bus_id)
     if hf is None:
-        print("  HF transformers: torch or transformers not installed, skipped")
+        print("  HF transformers: no torch peer (not installed, or its process failed), skipped")
         return
-    joules, calls, elapsed, _ = measure(seconds, hf.decode)
-    hf.close()
-    hf_tokens = calls * HF_TOKENS  # as in the decode suite's HF rate: the steps after a 1-token prompt
-    rec.record("tok_per_joule", setup.name, hf_tokens / joules, "tok/J", None, watts=round(joules / elapsed, 1),
-               tok_s=round(hf_tokens / elapsed, 1), peer=hf.label,
-               megakernel_ratio=round(tok_j * joules / hf_tokens, 1))
+    hf_tokens = hf["runs"] * HF_TOKENS  # as in the decode suite's HF rate: the steps after a 1-token prompt
+    rec.record("tok_per_joule", setup.name, hf_tokens / hf["joules"], "tok/J", None,
+               watts=round(hf["joules"] / hf["seconds"], 1), tok_s=round(hf_tokens / hf["seconds"], 1),
+               peer=hf["label"], megakernel_ratio=round(tok_j * hf["joules"] / hf_tokens, 1))

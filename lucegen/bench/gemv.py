@@ -17,6 +17,7 @@ from ..kernels import gemv, memread
 from ..model.config import tiny_config
 from ..runtime import DeviceArray, Stream, device_info
 from ..spec import ChipSpec, spec_for_current_device
+from .peers import peer
 from .results import Recorder
 from .timing import median_ms
 
@@ -39,53 +40,6 @@ def measure_read_gbs(spec: ChipSpec, stream: Stream) -> float:
         buf.fill_bytes(0x5A)
         ms = median_ms(lambda s: op.launch(buf, stream=s), stream, repeat=20)
     return READ_BYTES / (ms * 1e-3) / 1e9
-
-
-def _torch_read_gbs() -> float | None:
-    """torch's sum over 2 GiB (the read anchor of research/measured-h200.md); None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    x = torch.ones(READ_BYTES // 4, device="cuda", dtype=torch.float32)
-    for _ in range(20):
-        x.sum()
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        x.sum()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    del x
-    torch.cuda.empty_cache()
-    return READ_BYTES / (float(np.median(times)) * 1e-3) / 1e9
-
-
-def _torch_peer(n: int, k: int, distinct: int, repeats: int) -> float | None:
-    """cuBLAS (through torch) on the same shape, timed the same way, in ms per call; None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(distinct)] * repeats
-    x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    for _ in range(max(3, 300 // len(ws))):
-        for w in ws:
-            torch.mv(w, x)
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for w in ws:
-            torch.mv(w, x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / len(ws))
-    del ws
-    torch.cuda.empty_cache()
-    return float(np.median(times))
 
 
 def _variants(spec: ChipSpec):
@@ -125,7 +79,7 @@ def run(recorder: Recorder | None = None, tune: bool = False) -> None:
     stream = Stream()
     read_gbs = measure_read_gbs(spec, stream)
     rec.record("read_gbs", "2 GiB streaming read", read_gbs, "GB/s", spec.chip.bandwidth_gbs)
-    torch_gbs = _torch_read_gbs()
+    torch_gbs = peer("read_gbs", READ_BYTES)
     if torch_gbs is not None:
         rec.record("read_gbs", "2 GiB torch.sum", torch_gbs, "GB/s", spec.chip.bandwidth_gbs, peer="torch")
         read_gbs = max(read_gbs, torch_gbs)
@@ -136,7 +90,8 @@ def run(recorder: Recorder | None = None, tune: bool = False) -> None:
     ks = sorted({k for _, k in SHAPES.values()})
     op = gemv.Gemv(build(spec, tiny_config(), gemv.units(spec, tiny_config(), ks)).module("gemv_bf16"), spec, 1024)
     rng = np.random.default_rng(0)
-    for label, (n, k) in SHAPES.items():
+    peers = peer("mm_us", [(n, k, 1, *BATCH[label]) for label, (n, k) in SHAPES.items()]) or [None] * len(SHAPES)
+    for (label, (n, k)), peer_us in zip(SHAPES.items(), peers):
         distinct, repeats = BATCH[label]
         host = rng.standard_normal((n, k), dtype=np.float32).astype(ml_dtypes.bfloat16)
         ws = [DeviceArray.from_numpy(host) for _ in range(distinct)] * repeats
@@ -155,11 +110,10 @@ def run(recorder: Recorder | None = None, tune: bool = False) -> None:
             rec.record("gemv_bw_frac", shape, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                        read_gbs=round(read_gbs, 1), method=spec.tuning.gemv.method)
         rec.record(f"gemv_{label}_us", shape, ms * 1e3, "us", nbytes / read_gbs / 1e3, achieved_gbs=round(gbs, 1))
-        peer = _torch_peer(n, k, distinct, repeats)
-        if peer is not None:
-            peer_gbs = nbytes / (peer * 1e-3) / 1e9
-            rec.record(f"cublas_gemv_{label}_us", shape, peer * 1e3, "us", nbytes / read_gbs / 1e3,
+        if peer_us is not None:
+            peer_gbs = nbytes / (peer_us * 1e-6) / 1e9
+            rec.record(f"cublas_gemv_{label}_us", shape, peer_us, "us", nbytes / read_gbs / 1e3,
                        achieved_gbs=round(peer_gbs, 1), peer="torch.mv (cuBLAS)")
-            print(f"    lucegen / cuBLAS time: {ms / peer:.2f}x   ({gbs:.0f} vs {peer_gbs:.0f} GB/s)")
+            print(f"    lucegen / cuBLAS time: {ms * 1e3 / peer_us:.2f}x   ({gbs:.0f} vs {peer_gbs:.0f} GB/s)")
         for w in ws:
             w.free()

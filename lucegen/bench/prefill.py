@@ -11,7 +11,7 @@ over replays of a graph of 20 launches, as the prefill's graph runs them), with
 every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
 split-K for the residual adds (tuning.prefill.split_k 1 and 4). A spec with programmatic dependent launch
 (tuning.prefill.pdl) is timed without it as well. HF transformers' pp520 (eager attention, bf16) is measured beside
-ours when torch and transformers import.
+ours when torch and transformers import. The torch peers run in processes of their own (bench/peers.py).
 
 Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
 launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
@@ -20,8 +20,6 @@ with its launches, its share of the kernels' sum and, for GEMMs, TFLOP/s. The pa
 replays, so the host's launches stay ahead of the GPU and the events time kernels rather than launch gaps.
 """
 from __future__ import annotations
-
-import importlib.util
 
 import numpy as np
 
@@ -34,6 +32,7 @@ from ..kernels.megakernel import BF16
 from ..model.config import LINEAR, ModelConfig, load_config, tiny_config
 from ..runtime import DeviceArray, Graph, Stream, device_info, synchronize
 from ..spec import ChipSpec, gemm_methods, spec_for_current_device
+from .peers import peer
 from .results import Recorder
 from .timing import by_kind, launch_times, median_ms
 
@@ -64,69 +63,6 @@ def prefill_flops(cfg: ModelConfig, T: int) -> float:
     return 2.0 * matrix_params(cfg) * T + 2.0 * cfg.vocab_size * cfg.hidden_size + attention
 
 
-def _torch():
-    if importlib.util.find_spec("torch") is None:
-        return None
-    try:
-        import torch
-    except Exception as e:  # seen on the lab image: torch's own import failing inside some processes
-        print(f"peers skipped: importing torch failed ({type(e).__name__}: {e})")
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def _torch_ms(fn, repeat: int = 20) -> float:
-    torch = _torch()
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return float(np.median(times))
-
-
-def torch_matmul_tflops(m: int = MATMUL_N, n: int = MATMUL_N, k: int = MATMUL_N) -> float | None:
-    """cuBLAS bf16 (through torch.matmul) on an m x k by k x n product, TFLOP/s; None without torch."""
-    torch = _torch()
-    if torch is None:
-        return None
-    operands = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                torch.randn(k, n, device="cuda", dtype=torch.bfloat16)]
-    ms = _torch_ms(lambda: torch.matmul(*operands))
-    operands.clear()
-    torch.cuda.empty_cache()
-    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
-
-
-def hf_tok_s(cfg: ModelConfig, T: int) -> tuple[float, str] | None:
-    """HF transformers' Qwen3_5ForCausalLM (random bf16 weights, eager attention) on a T-token prompt: tok/s."""
-    torch = _torch()
-    if torch is None or importlib.util.find_spec("transformers") is None:
-        return None
-    import transformers
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    text = {k: v for k, v in cfg.to_hf_dict()["text_config"].items() if k not in ("model_type", "dtype")}
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters made in bf16 on the GPU (27B in fp32 would not fit)
-    try:
-        with torch.device("cuda"):
-            models = [Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, attn_implementation="eager")).eval()]
-    finally:
-        torch.set_default_dtype(default)
-    ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
-    with torch.no_grad():
-        ms = _torch_ms(lambda: models[0](input_ids=ids, use_cache=True, logits_to_keep=1), repeat=5)
-    fla = importlib.util.find_spec("fla") is not None
-    models.clear()
-    torch.cuda.empty_cache()
-    return T / (ms * 1e-3), f"HF transformers {transformers.__version__} eager bf16{' + fla' if fla else ''}"
-
-
 def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str]]:
     """(N, K, epilogue) of the prefill's GEMMs, by projection."""
     H, I = cfg.hidden_size, cfg.intermediate_size
@@ -150,30 +86,6 @@ def gemm_variant(spec: ChipSpec) -> dict:
     return {"gemm": p.gemm, "split_k": p.split_k, "pdl": p.pdl}
 
 
-def torch_graph_us(m: int, n: int, k: int) -> float | None:
-    """cuBLAS bf16 (torch.matmul, bf16 out) on an m x k by k x n product: microseconds a launch, GRAPH_LAUNCHES of
-    them replayed from a torch CUDA graph; None without torch."""
-    torch = _torch()
-    if torch is None:
-        return None
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # cuBLAS's workspace and heuristics settle before the capture
-        for _ in range(3):
-            torch.matmul(x, w.t(), out=y)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for _ in range(GRAPH_LAUNCHES):
-            torch.matmul(x, w.t(), out=y)
-    ms = _torch_ms(graph.replay)
-    del graph, x, w, y
-    torch.cuda.empty_cache()
-    return ms * 1e3 / GRAPH_LAUNCHES
-
-
 def graph_us(launch, stream: Stream) -> float:
     """Microseconds a launch of launch(stream), GRAPH_LAUNCHES of them captured in one graph and replayed: launch
     gaps as in the prefill's own graph, no host time."""
@@ -193,19 +105,20 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
     specs = variants(spec)
     ops = [gemm.Gemm(build(s, tiny_config(), gemm.units(s)).module("prefill_gemm"), s) for s in specs]
     rng = np.random.default_rng(0)
-    for name, (n, k, epilogue) in gemm_shapes(cfg).items():
+    shapes = gemm_shapes(cfg)
+    peers = peer("matmul_graph_us", [(m, n, k) for n, k, _ in shapes.values()], GRAPH_LAUNCHES) or [None] * len(shapes)
+    for (name, (n, k, epilogue)), peer_us in zip(shapes.items(), peers):
         x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32).astype(BF16))
         w = DeviceArray.from_numpy((rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(BF16))
         y = DeviceArray.zeros((m, n), np.float32)
         flop = 2.0 * m * n * k
-        peer_us = torch_graph_us(m, n, k)
-        peer = flop / peer_us / 1e6 if peer_us else None
+        cublas = flop / peer_us / 1e6 if peer_us else None
         for s, op in zip(specs, ops):
             us = graph_us(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream)
             c = gemm.choose(s, m, n, k, epilogue)
-            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", flop / us / 1e6, "TFLOP/s", peer,
+            rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", flop / us / 1e6, "TFLOP/s", cublas,
                        config=c.name, splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s),
-                       epilogue=epilogue, us=round(us, 2), **({"cublas_tflops": round(peer, 1)} if peer else {}))
+                       epilogue=epilogue, us=round(us, 2), **({"cublas_tflops": round(cublas, 1)} if cublas else {}))
         for a in (x, w, y):
             a.free()
 
@@ -256,7 +169,7 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
     rec = recorder or Recorder(gpu=device_info().name)
     stream, pdl = Stream(), spec.tuning.prefill.pdl
     filler = fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"), spec)
-    peak = torch_matmul_tflops()
+    peak = peer("matmul_tflops", MATMUL_N, MATMUL_N, MATMUL_N)
     if peak:
         rec.record("matmul_tflops", f"torch.matmul bf16 {MATMUL_N}^3", peak, "TFLOP/s", peer="torch (cuBLAS)")
     print(f"spec {spec.name}, prefill {spec.tuning.prefill}, bf16 matmul rate "
@@ -295,6 +208,6 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
         prefill.free()
         weights.free()
         synchronize()
-        hf = hf_tok_s(cfg, 520)
+        hf = peer("hf_prefill", cfg.to_hf_dict()["text_config"], 520)
         if hf:
-            rec.record("pp520_tok_s", cfg.name, hf[0], "tok/s", peer=hf[1])
+            rec.record("pp520_tok_s", cfg.name, hf["tok_s"], "tok/s", peer=hf["label"])

@@ -27,6 +27,7 @@ from ..model.config import tiny_config
 from ..runtime import DeviceArray, Graph, Stream, device_info
 from ..spec import spec_for_current_device
 from .gemv import measure_read_gbs
+from .peers import peer
 from .results import Recorder
 from .timing import median_ms
 
@@ -34,33 +35,6 @@ from .timing import median_ms
 SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "attn_qkv": (10240, 5120)}
 MS = (1, 4, 16, 64)
 TC_MS = (1, 8, 9, 16, 17, 33, 48)  # the decode GEMV and tree verifies of up to 47 nodes
-
-
-def _torch_mm_us(n: int, k: int, m: int, distinct: int) -> float | None:
-    """cuBLAS bf16 (torch.mm; torch.mv for M = 1) on the same shape, distinct copies rotated; us per call."""
-    try:
-        import torch
-    except Exception as e:  # ImportError, or torch's own import failing as seen on the lab image
-        print(f"cuBLAS peer skipped: importing torch failed ({type(e).__name__})")
-        return None
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(distinct)]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    call = (lambda w: torch.mv(w, x[0])) if m == 1 else (lambda w: torch.mm(x, w.t()))
-    for _ in range(max(3, 300 // len(ws))):
-        for w in ws:
-            call(w)
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for w in ws:
-            call(w)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / len(ws))
-    del ws
-    torch.cuda.empty_cache()
-    return float(np.median(times))
 
 
 def _us_per_call(op: qgemv.QMatmul, ws: list[DeviceArray], x: DeviceArray, y: DeviceArray, n: int, m: int,
@@ -183,6 +157,10 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
     pairs = sorted({(f, k) for f in spec.tuning.weight_formats for _, k in SHAPES.values()})
     result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
     rng = np.random.default_rng(0)
+    # cuBLAS bf16 on the Q4_K shapes, (n, k, m) -> us (copies of W rotated past L2, as ours), in one torch process
+    shapes = [(n, k, m) for n, k in SHAPES.values() for m in MS] if "q4_k" in spec.tuning.weight_formats else []
+    copies = [max(1, -(-4 * info.l2_bytes // (2 * n * k))) for n, k, _ in shapes]
+    peers = dict(zip(shapes, (peer("mm_us", [(*s, c) for s, c in zip(shapes, copies)]) if shapes else None) or []))
     print(f"spec {spec.name}; read ceiling {read_gbs:.0f} GB/s")
     print(f"{'format':<6} {'shape':<10} {'N x K':>12} {'M':>3} {'us':>9} {'GB/s':>7} {'of read':>7} {'cuBLAS bf16 us':>15}")
     for fmt in spec.tuning.weight_formats:
@@ -208,11 +186,11 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
                     rec.record("qgemv_rel_err", f"{fmt} {n}x{k} M=1", err, "fraction", None, shape=label)
                 else:  # the goal for a tree verify: M = 16 within about 2x of M = 1
                     rec.record("qgemv_time_vs_m1", name, us / us_m1, "ratio", None, shape=label)
-                peer = _torch_mm_us(n, k, m, max(1, -(-4 * info.l2_bytes // (2 * n * k)))) if fmt == "q4_k" else None
-                if peer is not None:
-                    rec.record("cublas_bf16_us", f"bf16 {n}x{k} M={m}", peer, "us", peer="torch.mm (cuBLAS)")
+                cublas_us = peers.get((n, k, m)) if fmt == "q4_k" else None
+                if cublas_us is not None:
+                    rec.record("cublas_bf16_us", f"bf16 {n}x{k} M={m}", cublas_us, "us", peer="torch.mm (cuBLAS)")
                 print(f"{fmt:<6} {label:<10} {f'{n}x{k}':>12} {m:>3} {us:9.1f} {gbs:7.0f} {gbs / read_gbs:7.1%} "
-                      f"{'' if peer is None else f'{peer:15.1f}'}")
+                      f"{'' if cublas_us is None else f'{cublas_us:15.1f}'}")
                 x.free()
                 y.free()
             for w in ws:
