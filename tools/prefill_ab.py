@@ -1,0 +1,90 @@
+"""A/B of the prefill between source trees on this GPU: each tree's prefill graph timed in a process of its own
+(PYTHONPATH = the tree), the trees alternating, round after round, and each tree's kernels timed one by one once.
+
+    python3 tools/prefill_ab.py --trees /tmp/main . --model qwen3.5-0.8b --tokens 520 --rounds 3 [--split-k 5]
+
+A tree is a checkout (or an unpacked `git archive`) with lucegen/, templates/ and specs/. Prints one JSON line a
+process (tree, graph microseconds per replay set, kernels by kind) and a summary of the medians. Session 16's
+A/B runs (results/logs/h200-s16-run1..3-*) were made this way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def measure(model: str, tokens: int, replays: int, split_k: int | None) -> dict:
+    """The prefill graph of `model` at `tokens` tokens: its time over `replays` captures, and the kernels by kind."""
+    import numpy as np
+
+    import lucegen
+    from lucegen.bench.prefill import graph_ms, kernel_times
+    from lucegen.codegen.build import build
+    from lucegen.engine.prefill import Prefill
+    from lucegen.engine.state import DeviceState
+    from lucegen.engine.weights import DeviceWeights
+    from lucegen.kernels import fill
+    from lucegen.model.config import load_config, tiny_config
+    from lucegen.runtime import DeviceArray, Stream
+    from lucegen.spec import spec_for_current_device
+
+    spec = spec_for_current_device()
+    if split_k:
+        spec = spec.with_prefill(split_k=split_k)
+    cfg = load_config(model)
+    weights = DeviceWeights.random(cfg, spec, fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"),
+                                                        spec))
+    prefill, state, stream = Prefill(spec, cfg), DeviceState(cfg, tokens), Stream()
+    ids = DeviceArray.from_numpy(np.random.default_rng(0).integers(0, cfg.vocab_size, tokens).astype(np.int32))
+    times = []
+    for replay in range(replays):
+        graph, ms = graph_ms(prefill, weights, state, ids, tokens, stream)
+        times.append(round(ms * 1e3, 1))
+        if replay < replays - 1:
+            graph.destroy()
+    kinds = kernel_times(prefill, weights, state, ids, graph, ms, stream)
+    return {"tree": str(Path(lucegen.__file__).parents[1]), "split_k": spec.tuning.prefill.split_k,
+            "graph_us": times, "kernels_us": {k: round(v[0], 1) for k, v in sorted(kinds.items(),
+                                                                                  key=lambda kv: -kv[1][0])}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", nargs="+", default=["."], help="source trees to compare (default: this one)")
+    ap.add_argument("--model", default="qwen3.5-0.8b")
+    ap.add_argument("--tokens", type=int, default=520)
+    ap.add_argument("--rounds", type=int, default=3, help="processes per tree, the trees alternating")
+    ap.add_argument("--replays", type=int, default=3, help="graph captures timed per process")
+    ap.add_argument("--split-k", type=int, default=None, help="tuning.prefill.split_k instead of the spec's")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.model, a.tokens, a.replays, a.split_k)))
+        return 0
+    results: dict[str, list[float]] = {}
+    for _ in range(a.rounds):
+        for tree in a.trees:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tree).resolve()),
+                                                                              os.environ.get("PYTHONPATH")]))}
+            args = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens),
+                    "--replays", str(a.replays), *(["--split-k", str(a.split_k)] if a.split_k else [])]
+            proc = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+            if proc.returncode:
+                print(f"{tree}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            line = proc.stdout.strip().splitlines()[-1]
+            print(line)
+            results.setdefault(tree, []).extend(json.loads(line)["graph_us"])
+    for tree, times in results.items():
+        print(f"{tree}: {a.model} pp{a.tokens} graph median {statistics.median(times):.1f} us "
+              f"({min(times):.1f} .. {max(times):.1f}, {len(times)} replays)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
