@@ -5,7 +5,9 @@ a module beside it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +43,9 @@ def fake_torch(tmp_path, monkeypatch):
     (tmp_path / "torch" / "__init__.py").write_text(textwrap.dedent(FAKE_TORCH))
     (tmp_path / "fake_peers.py").write_text(textwrap.dedent(FAKE_PEERS))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    # the child finds the stand-ins first, and lucegen where this process found it
+    lucegen_root = str(Path(peers.__file__).parents[2])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), lucegen_root, os.environ.get("PYTHONPATH", "")]))
     importlib.invalidate_caches()
     assert importlib.util.find_spec("torch").origin.startswith(str(tmp_path))
     return tmp_path
