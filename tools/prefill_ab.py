@@ -2,6 +2,7 @@
 (PYTHONPATH = the tree), the trees alternating, round after round, and each tree's kernels timed one by one once.
 
     python3 tools/prefill_ab.py --trees /tmp/main . --model qwen3.5-0.8b --tokens 520 --rounds 3 [--split-k 5]
+        [--force add=wt176x192]
 
 A tree is a checkout (or an unpacked `git archive`) with lucegen/, templates/ and specs/. Prints one JSON line a
 process (tree, graph microseconds per replay set, kernels by kind) and a summary of the medians. Session 16's
@@ -18,8 +19,9 @@ import sys
 from pathlib import Path
 
 
-def measure(model: str, tokens: int, replays: int, split_k: int | None) -> dict:
-    """The prefill graph of `model` at `tokens` tokens: its time over `replays` captures, and the kernels by kind."""
+def measure(model: str, tokens: int, replays: int, split_k: int | None, force: dict[str, str]) -> dict:
+    """The prefill graph of `model` at `tokens` tokens: its time over `replays` captures, and the kernels by kind.
+    force: epilogue -> GEMM tile config name (gemm.TileConfig.name) that every GEMM of that epilogue takes."""
     import numpy as np
 
     import lucegen
@@ -28,7 +30,7 @@ def measure(model: str, tokens: int, replays: int, split_k: int | None) -> dict:
     from lucegen.engine.prefill import Prefill
     from lucegen.engine.state import DeviceState
     from lucegen.engine.weights import DeviceWeights
-    from lucegen.kernels import fill
+    from lucegen.kernels import fill, gemm
     from lucegen.model.config import load_config, tiny_config
     from lucegen.runtime import DeviceArray, Stream
     from lucegen.spec import spec_for_current_device
@@ -36,6 +38,10 @@ def measure(model: str, tokens: int, replays: int, split_k: int | None) -> dict:
     spec = spec_for_current_device()
     if split_k:
         spec = spec.with_prefill(split_k=split_k)
+    if force:
+        by_name, choose = {c.name: c for c in gemm.tile_configs(spec)}, gemm.choose
+        gemm.choose = lambda s, m, n, k=gemm.BK, epilogue="bf16": (by_name[force[epilogue]] if epilogue in force
+                                                                  else choose(s, m, n, k, epilogue))
     cfg = load_config(model)
     weights = DeviceWeights.random(cfg, spec, fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"),
                                                         spec))
@@ -48,7 +54,7 @@ def measure(model: str, tokens: int, replays: int, split_k: int | None) -> dict:
         if replay < replays - 1:
             graph.destroy()
     kinds = kernel_times(prefill, weights, state, ids, graph, ms, stream)
-    return {"tree": str(Path(lucegen.__file__).parents[1]), "split_k": spec.tuning.prefill.split_k,
+    return {"tree": str(Path(lucegen.__file__).parents[1]), "split_k": spec.tuning.prefill.split_k, "force": force,
             "graph_us": times, "kernels_us": {k: round(v[0], 1) for k, v in sorted(kinds.items(),
                                                                                   key=lambda kv: -kv[1][0])}}
 
@@ -61,10 +67,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="processes per tree, the trees alternating")
     ap.add_argument("--replays", type=int, default=3, help="graph captures timed per process")
     ap.add_argument("--split-k", type=int, default=None, help="tuning.prefill.split_k instead of the spec's")
+    ap.add_argument("--force", action="append", default=[], metavar="EPILOGUE=TILE",
+                    help="every GEMM of that epilogue on that tile config, e.g. add=wt176x192 (repeatable)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(measure(a.model, a.tokens, a.replays, a.split_k)))
+        print(json.dumps(measure(a.model, a.tokens, a.replays, a.split_k, dict(f.split("=") for f in a.force))))
         return 0
     results: dict[str, list[float]] = {}
     for _ in range(a.rounds):
@@ -72,7 +80,8 @@ def main() -> int:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tree).resolve()),
                                                                               os.environ.get("PYTHONPATH")]))}
             args = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens),
-                    "--replays", str(a.replays), *(["--split-k", str(a.split_k)] if a.split_k else [])]
+                    "--replays", str(a.replays), *(["--split-k", str(a.split_k)] if a.split_k else []),
+                    *(arg for f in a.force for arg in ("--force", f))]
             proc = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
             if proc.returncode:
                 print(f"{tree}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
