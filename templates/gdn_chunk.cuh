@@ -23,6 +23,7 @@
 // (|x|^-1 meaning 1 / sqrt(sum x^2 + 1e-6), the l2norm of HF and FLA).
 #pragma once
 #include "activation.cuh"
+#include "conv1d.cuh"
 #include "mma.cuh"
 
 namespace lucegen {
@@ -173,27 +174,75 @@ __device__ __forceinline__ void unit_lower_inverse(float* a, float* t, F&& side)
     }
 }
 
-// One (chunk, value head) of the prep, by a block of 128 threads with GdnPrepSmem::BYTES of dynamic shared memory.
-template <class S>
-__device__ void gdn_prep(const bf16* __restrict__ qkv, const float* __restrict__ g, const float* __restrict__ beta,
-                         float* __restrict__ wy, float* __restrict__ aqk, float* __restrict__ fac, int T, int n, int h,
+// The DeltaNet front of chunk n for value head h (conv1d.cuh): q and k of its key head and v of h, convolved and
+// SiLU'd from the in-projection rows `mixed`, go to qkv in bf16 (q and k by the first value head of the key head
+// only: the others compute the same values) and q, k also into the prep's tiles (rows past the prompt zero); the
+// gates into sm.g and sm.beta (zero past the prompt: no decay, no update, as the reference pads). Reads the conv
+// ring for the tokens before `start` and does not write it: the scan does, after every prep block has read it.
+template <class S, class F>
+__device__ __forceinline__ void gdn_front(const float* __restrict__ mixed, const float* __restrict__ conv_w,
+                                          const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                          const float* __restrict__ ring, bf16* __restrict__ qkv, int T, int start,
+                                          int t0, int valid, int h, const GdnPrepSmem<S>& sm) {
+    constexpr int THREADS = 128, TOKENS = 16, QK = S::DK / 4, QUADS = 2 * QK + S::DV / 4;
+    static_assert(F::C == S::CW, "the conv channels are the qkv row");
+    const int kh = h / S::RATIO;
+    const bool writes_qk = h % S::RATIO == 0;
+    for (int e = threadIdx.x; e < (64 - valid) * S::DK / 8; e += THREADS) {  // the tiles' rows past the prompt
+        const int r = valid + e / (S::DK / 8), c = e % (S::DK / 8);
+        *reinterpret_cast<uint4*>(sm.q.chunk(r, c)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(sm.k.chunk(r, c)) = make_uint4(0, 0, 0, 0);
+    }
+    if (threadIdx.x < 64) {
+        const float2 gb = threadIdx.x < valid ? deltanet_gates<F>(mixed, a_log, dt_bias, t0 + threadIdx.x, h)
+                                              : make_float2(0.f, 0.f);
+        sm.g[threadIdx.x] = gb.x, sm.beta[threadIdx.x] = gb.y;
+    }
+#pragma unroll 1
+    for (int item = threadIdx.x; item < QUADS * (64 / TOKENS); item += THREADS) {
+        const int quad = item % QUADS, first = t0 + item / QUADS * TOKENS;
+        if (first >= T) continue;
+        const bool is_v = quad >= 2 * QK, is_k = !is_v && quad >= QK;
+        const int col = 4 * (is_v ? quad - 2 * QK : is_k ? quad - QK : quad);  // within the head
+        const int c = is_v ? 2 * S::KD + h * S::DV + col : (is_k ? S::KD : 0) + kh * S::DK + col;
+        const SwizzledTile<64, S::DK> tile = is_k ? sm.k : sm.q;
+        conv1d_silu_quad<F, TOKENS>(mixed, conv_w, ring, c, first, T, start, [&](int t, float4 y) {
+            const uint2 u = bf16x4(y);
+            if (!is_v) *reinterpret_cast<uint2*>(tile.chunk(t - t0, col / 8) + col % 8 * 2) = u;
+            if (is_v || writes_qk) *reinterpret_cast<uint2*>(qkv + (size_t)t * S::CW + c) = u;
+        });
+    }
+    __syncthreads();
+}
+
+// The new conv state of the channels value head h reads (conv_ring_update), by the scan's first slice of h: q and k
+// by the first value head of their key head. Runs after the prep, whose blocks read the old state.
+template <class S, class F>
+__device__ __forceinline__ void gdn_conv_state(const float* __restrict__ mixed, float* __restrict__ ring, int T,
+                                               int start, int h) {
+    constexpr int QK = S::DK / 4, QUADS = 2 * QK + S::DV / 4;
+    const int kh = h / S::RATIO;
+    for (int quad = h % S::RATIO == 0 ? threadIdx.x : 2 * QK + threadIdx.x; quad < QUADS; quad += blockDim.x) {
+        const bool is_v = quad >= 2 * QK, is_k = !is_v && quad >= QK;
+        const int col = 4 * (is_v ? quad - 2 * QK : is_k ? quad - QK : quad);
+        conv_ring_update<F>(mixed, ring, is_v ? 2 * S::KD + h * S::DV + col : (is_k ? S::KD : 0) + kh * S::DK + col,
+                            T, start);
+    }
+}
+
+// One (chunk, value head) of the prep, by a block of 128 threads with GdnPrepSmem::BYTES of dynamic shared memory:
+// the front (gdn_front), then the chunk's WY quantities.
+template <class S, class F>
+__device__ void gdn_prep(const float* __restrict__ mixed, const float* __restrict__ conv_w,
+                         const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                         const float* __restrict__ ring, bf16* __restrict__ qkv, float* __restrict__ wy,
+                         float* __restrict__ aqk, float* __restrict__ fac, int T, int start, int n, int h,
                          unsigned char* smem) {
     constexpr int THREADS = 128;
     const GdnChunk<S> ch(qkv, n, h, T);
     const GdnPrepSmem<S> sm(smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-
-    load_tile_async<64, S::DK, THREADS>(sm.q, ch.q, S::CW, ch.valid);
-    load_tile_async<64, S::DK, THREADS>(sm.k, ch.k, S::CW, ch.valid);
-    cp_async_commit();
-    if (threadIdx.x < 64) {
-        const bool in = threadIdx.x < ch.valid;
-        const size_t at = (size_t)(ch.t0 + threadIdx.x) * S::HV + h;
-        sm.g[threadIdx.x] = in ? g[at] : 0.f;  // padding tokens: no decay, no update (as the reference pads)
-        sm.beta[threadIdx.x] = in ? beta[at] : 0.f;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
+    gdn_front<S, F>(mixed, conv_w, a_log, dt_bias, ring, qkv, T, start, ch.t0, ch.valid, h, sm);
 
     // l2 norm factors (q's with dk^-1/2) and the cumulative log-decay
     row_sumsq<S::DK>(sm.q, [&](int r, float ss) { sm.qn[r] = rsqrtf(ss + 1e-6f) * rsqrtf(float(S::DK)); });

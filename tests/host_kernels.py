@@ -172,19 +172,19 @@ class HostKernel:
             x, w, y, eps = args
             H = c.hidden_size
             store(rows_of(y, grid[0], H), rows.rmsnorm_reference(rows_of(x, grid[0], H), w.a, eps))
-        elif name == "conv1d_gates":
-            mixed, conv_w, a_log, dt_bias, ring, qkv, g, beta, T, start = args
-            outs = conv1d.reference(c, mixed.a[:T], conv_w.a, a_log.a, dt_bias.a, ring.a.copy(), start)
-            for dst, v in zip((qkv.a[:T], g.a[:T], beta.a[:T], ring.a), outs):
-                store(dst, v)
-        elif name == "gdn_chunk_prep":  # the scan below computes the whole rule; keep g and beta for it
-            self.module.gates = args[1:3]
-        elif name == "gdn_chunk_scan":
-            qkv, _, _, _, state, o, T, has_state = args
-            g, beta = self.module.gates
-            ref_o, ref_s = gdn.reference(c, qkv.a[:T], g.a[:T], beta.a[:T], state.a.copy() if has_state else None)
+        elif name == "gdn_chunk_prep":  # the front here; the scan below computes the whole rule from its outputs
+            mixed, conv_w, a_log, dt_bias, ring, qkv, _, _, _, T, start = args
+            ref_qkv, g, beta, new_ring = conv1d.reference(c, mixed.a[:T], conv_w.a, a_log.a, dt_bias.a, ring.a.copy(),
+                                                          start)
+            store(qkv.a[:T], ref_qkv)
+            self.module.front = g, beta, new_ring
+        elif name == "gdn_chunk_scan":  # and the new conv state, as the kernel's first slices write it
+            qkv, _, _, _, state, o, _, ring, T, start = args
+            g, beta, new_ring = self.module.front
+            ref_o, ref_s = gdn.reference(c, qkv.a[:T], g, beta, state.a.copy() if start > 0 else None)
             store(o.a[:T], ref_o)
             store(state.a, ref_s)
+            store(ring.a, new_ring)
         elif name == "gdn_gated_norm":
             o, mixed, w, y, eps, T = args
             hv, dv, C = c.linear_num_value_heads, c.linear_value_head_dim, c.conv_dim
@@ -213,7 +213,7 @@ class HostKernel:
 
 class HostModule:
     def __init__(self, cfg):
-        self.cfg, self.gates, self.launches = cfg, None, 0
+        self.cfg, self.front, self.launches = cfg, None, 0
 
     def kernel(self, name: str) -> HostKernel:
         return HostKernel(self, name)

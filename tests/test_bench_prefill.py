@@ -18,7 +18,7 @@ def test_kernel_kinds_drop_the_shape_and_keep_the_gemm_epilogue(model):  # gemm_
     for spec in (s.with_prefill(gemm=m) for s in all_specs() for m in gemm_methods(s)):
         kinds = {kernel_kind(k.name) for u in units(spec, cfg) for k in u.kernels}
         assert kinds == {f"gemm_{e}" for e in gemm.KERNEL_EPILOGUES} | {
-            "embed", "rmsnorm_f32", "gemv_bf16", "conv1d_gates", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm",
+            "embed", "rmsnorm_f32", "gemv_bf16", "gdn_chunk_prep", "gdn_chunk_scan", "gdn_gated_norm",
             "attention_prep_tokens", "attention_prefill_causal",
             *(["attention_prefill_split"] if spec.tuning.prefill.attention_split > 1 else []),
             *(["attention_prefill_wgmma"] if spec.tuning.prefill.attention == "wgmma" else [])}, spec.name

@@ -55,7 +55,7 @@ def reference_last_logits(w, ids, state: State) -> np.ndarray:
 def test_the_unit_list_covers_every_kernel_the_driver_launches():
     spec = load_spec("h200")
     templates = {u.template for u in units(spec, TINY)}
-    assert templates == {"prefill_rows.cu.j2", "prefill_gemm.cu.j2", "gemv.cu.j2", "prefill_conv1d.cu.j2",
+    assert templates == {"prefill_rows.cu.j2", "prefill_gemm.cu.j2", "gemv.cu.j2",
                          "prefill_gdn.cu.j2", "prefill_attention.cu.j2"}
 
 

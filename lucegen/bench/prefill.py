@@ -15,7 +15,7 @@ ours when torch and transformers import. The torch peers run in processes of the
 
 Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
 launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
-(prefill_kernel_us_<kind>: gemm_<epilogue>, rmsnorm_f32, conv1d_gates, gdn_chunk_scan, attention_prefill_causal, ...)
+(prefill_kernel_us_<kind>: gemm_<epilogue>, rmsnorm_f32, gdn_chunk_prep, gdn_chunk_scan, attention_prefill_causal, ...)
 with its launches, its share of the kernels' sum and, for GEMMs, TFLOP/s. The pass runs behind >= 200 ms of graph
 replays, so the host's launches stay ahead of the GPU and the events time kernels rather than launch gaps.
 """

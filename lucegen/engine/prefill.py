@@ -4,8 +4,8 @@ DeviceState exactly the state the decode path continues from, and the logits of 
 One pass over n tokens at positions start .. start+n-1 (x: the fp32 residual stream [n, H]):
     x = embed(ids)
     per layer:  h = rmsnorm(x)
-      DeltaNet: mixed = h in_proj^T (fp32) -> conv1d + SiLU + gates (conv ring updated) -> chunked delta rule
-                (recurrent state updated) -> gated RMSNorm -> x += . out_proj^T
+      DeltaNet: mixed = h in_proj^T (fp32) -> conv1d + SiLU + gates and the chunked delta rule (prep + scan;
+                conv ring and recurrent state updated) -> gated RMSNorm -> x += . out_proj^T
       attention: qkv = h qkv^T (bf16) -> q/k norm, RoPE, K/V into the cache -> causal flash attention with the
                 output gate -> x += . o_proj^T
       MLP:      h = rmsnorm(x) -> act = silu(h gate^T) * (h up^T) (one GEMM) -> x += act down^T
@@ -48,7 +48,7 @@ def shape_problem(spec: ChipSpec, cfg: ModelConfig) -> str | None:
 def units(spec: ChipSpec, cfg: ModelConfig) -> list[KernelUnit]:
     """Every kernel the prefill of `cfg` launches on `spec`."""
     return [*rows.units(spec, cfg), *gemm.units(spec, cfg), *gemv.units(spec, cfg, [cfg.hidden_size]),
-            *conv1d.units(spec, cfg), *gdn.units(spec, cfg), *attention.units(spec, cfg)]
+            *gdn.units(spec, cfg), *attention.units(spec, cfg)]
 
 
 class Prefill:
@@ -71,7 +71,6 @@ class Prefill:
         self.gemm = gemm.Gemm(modules["prefill_gemm.cu.j2"], spec)
         self.lm_head = gemv.Gemv(modules["gemv.cu.j2"], spec, cfg.hidden_size)
         if cfg.linear_layers:
-            self.conv = conv1d.Conv1dGates(modules["prefill_conv1d.cu.j2"], cfg)
             self.gdn = gdn.ChunkedDeltaRule(modules["prefill_gdn.cu.j2"], spec, cfg)
         if cfg.full_layers:
             self.attn = attention.Attention(modules["prefill_attention.cu.j2"], spec, cfg)
@@ -91,8 +90,6 @@ class Prefill:
         self.act = DeviceArray.empty((n, c.intermediate_size), BF16)
         if c.linear_layers:
             self.qkv = DeviceArray.empty((n, c.conv_dim), BF16)
-            self.g = DeviceArray.empty((n, hv), np.float32)
-            self.beta = DeviceArray.empty((n, hv), np.float32)
             self.o = DeviceArray.empty((n, hv, c.linear_value_head_dim), np.float32)
             self.scratch = gdn.Scratch(c, n)
         if c.full_layers:
@@ -137,10 +134,8 @@ class Prefill:
             self.rows.rmsnorm(self.x, L["ln1"], self.h, n, eps, stream=stream)
             if kind == LINEAR:
                 self.gemm(self.h, L["in"], self.mixed, n, L["in"].shape[0], H, "f32", stream=stream)
-                self.conv(self.mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], self.qkv, self.g,
-                          self.beta, n, start, stream=stream)
-                self.gdn(self.qkv, self.g, self.beta, state.recurrent[i], self.o, self.scratch, n, start > 0,
-                         stream=stream)
+                self.gdn(self.mixed, L["conv"], L["a_log"], L["dt_bias"], state.conv[i], self.qkv,
+                         state.recurrent[i], self.o, self.scratch, n, start, stream=stream)
                 y = self._mixer_out(c.value_dim)
                 self.gdn.gated_norm(at(self.o), at(self.mixed), L["norm"], at(y), m, eps, stream=stream)
                 mm(y, L["out"], self.x, c.value_dim, "add")
@@ -161,7 +156,7 @@ class Prefill:
         return self.y.view((self.y.shape[0], width))
 
     def free(self) -> None:
-        for name in ("x", "h", "proj", "y", "act", "qkv", "g", "beta", "o", "q", "last", "logits", "ids"):
+        for name in ("x", "h", "proj", "y", "act", "qkv", "o", "q", "last", "logits", "ids"):
             if hasattr(self, name):
                 getattr(self, name).free()
         if hasattr(self, "scratch"):

@@ -1,24 +1,17 @@
 """The Gated DeltaNet front of the prefill: causal conv1d + SiLU over the prompt (updating the conv state ring in
-place) and the per-head gates beta, g: numpy reference, unit, launcher.
+place) and the per-head gates beta, g: the numpy reference and the ring's layout. The kernel code is
+templates/conv1d.cuh, run by the chunked delta rule's prep for its chunk and head (lucegen.kernels.gdn).
 
 Conv state layout (shared with the decode path, lucegen.engine.state): a ring [K][conv_dim] fp32 where slot p % K
 holds the raw (pre-conv) input of absolute position p; positions before 0 read as zero.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ..codegen.unit import KernelSig, KernelUnit
 from ..model.config import ModelConfig
 from ..reference.deltanet import causal_conv1d
 from ..reference.ops import sigmoid, silu, softplus
-from ..spec import ChipSpec
-
-THREADS = 128
-TOKENS = 8  # tokens per thread, loaded at once (TOKENS + K - 1 rows in flight); the window slides along them in
-# registers. 16 tokens a thread (one load at a time) gave the 0.8B at T = 520 429 blocks of serial L2 round trips
 
 
 def ring_to_state(ring: np.ndarray, position: int) -> np.ndarray:
@@ -54,28 +47,7 @@ def reference(cfg: ModelConfig, mixed: np.ndarray, conv_w: np.ndarray, a_log: np
 
 
 def shape_problem(cfg: ModelConfig) -> str | None:
-    """Why the conv kernel cannot take this model's DeltaNet layers (it works on float4 quads), or None."""
+    """Why the conv code cannot take this model's DeltaNet layers (it works on float4 quads of `mixed` rows), or None."""
     if cfg.conv_dim % 4 or cfg.value_dim % 4 or cfg.linear_num_value_heads % 4:
-        return f"{cfg.name}: the conv kernel needs conv channels, value width and value heads in multiples of 4"
+        return f"{cfg.name}: the conv code needs conv channels, value width and value heads in multiples of 4"
     return None
-
-
-def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
-    if not model.linear_layers or shape_problem(model):
-        return []
-    params = {"c": model.conv_dim, "vd": model.value_dim, "hv": model.linear_num_value_heads,
-              "k": model.linear_conv_kernel_dim, "threads": THREADS, "tokens": TOKENS}
-    return [KernelUnit(f"prefill_conv1d_c{model.conv_dim}", "prefill_conv1d.cu.j2", params,
-                       (KernelSig("conv1d_gates", THREADS),))]
-
-
-class Conv1dGates:
-    """mixed fp32 [T, C + VD + 2 Hv] -> qkv bf16 [T, C], g, beta fp32 [T, Hv]; ring fp32 [K, C] updated in place."""
-
-    def __init__(self, module, model: ModelConfig):
-        self.kernel = module.kernel("conv1d_gates")
-        self.quads = model.conv_dim // 4 + model.linear_num_value_heads // 4
-
-    def __call__(self, mixed, conv_w, a_log, dt_bias, ring, qkv, g, beta, T: int, start: int, stream=None) -> None:
-        grid = (math.ceil(self.quads / THREADS), math.ceil(T / TOKENS))
-        self.kernel(grid, THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, g, beta, T, start, stream=stream)

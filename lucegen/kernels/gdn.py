@@ -1,9 +1,11 @@
 """The chunked gated delta rule of the prefill (chunk 64, WY form, tensor cores) and the gated RMSNorm of its output:
 numpy references, units, launchers.
 
-Inputs are the conv kernel's outputs: qkv [T, conv_dim] bf16 (raw q, k, v after conv + SiLU; the l2 norms are taken
-here, in fp32), g and beta [T, Hv] fp32. The recurrent state is [Hv, dv, dk] fp32 (S transposed, the decode path's
-layout); o is [T, Hv, dv] fp32.
+The prep starts with the DeltaNet front of its chunk and head (lucegen.kernels.conv1d: conv1d + SiLU of the
+in-projection rows `mixed` into qkv [T, conv_dim] bf16, which the scan reads, and the gates g, beta), reading the
+conv ring; the scan's first slice of each head writes the ring's new state. The l2 norms of q and k are taken in
+fp32 from the bf16 qkv. The recurrent state is [Hv, dv, dk] fp32 (S transposed, the decode path's layout); o is
+[T, Hv, dv] fp32.
 
 Precision: q k^T and k k^T are bf16 tensor-core products of the bf16 inputs (exact products, fp32 sums); the
 triangular inverse is fp32 forward substitution; every product with the state S, with v' and with the inverse runs
@@ -32,7 +34,8 @@ THREADS = 128
 
 def reference(cfg: ModelConfig, qkv: np.ndarray, g: np.ndarray, beta: np.ndarray,
               state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(o [T, Hv, dv], new state [Hv, dv, dk]) from the kernels' inputs, by the reference's chunked rule.
+    """(o [T, Hv, dv], new state [Hv, dv, dk]) from the front's outputs (conv1d.reference), by the reference's
+    chunked rule.
 
     state is in the kernels' layout [Hv, dv, dk] (None: zeros, as at position 0)."""
     T = qkv.shape[0]
@@ -101,7 +104,8 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     warps = scan_warps(spec, model, bv)
     params = {"warps": warps, "dk": model.linear_key_head_dim, "dv": model.linear_value_head_dim,
               "hk": model.linear_num_key_heads, "hv": model.linear_num_value_heads, "bv": bv, "stages": stages,
-              "c": model.conv_dim, "mw": model.conv_dim + model.value_dim + 2 * model.linear_num_value_heads,
+              "c": model.conv_dim, "vd": model.value_dim, "k": model.linear_conv_kernel_dim,
+              "mw": model.conv_dim + model.value_dim + 2 * model.linear_num_value_heads,
               "prep_smem": prep_smem(model), "scan_smem": scan_smem(model, bv, stages)}
     name = f"prefill_gdn_k{model.linear_num_key_heads}x{model.linear_key_head_dim}_v{model.linear_num_value_heads}"
     return [KernelUnit(name, "prefill_gdn.cu.j2", params, (
@@ -126,8 +130,9 @@ class Scratch:
 
 
 class ChunkedDeltaRule:
-    """prep + scan: (qkv, g, beta, state in/out) -> o, for T tokens whose state is `state` (has_state False: the
-    sequence starts here and the state reads as zero, as the decode path treats position 0)."""
+    """prep + scan: (the in-projection rows `mixed`, the conv ring and recurrent state in/out) -> qkv, o for T
+    tokens at positions start .. (at start 0 the sequence starts here: neither state is read, as the decode path
+    treats position 0)."""
 
     def __init__(self, module, spec: ChipSpec, cfg: ModelConfig):
         self.cfg = cfg
@@ -140,14 +145,18 @@ class ChunkedDeltaRule:
             if n > 48 * 1024:
                 k.set_max_dynamic_smem(n)
 
-    def __call__(self, qkv, g, beta, state, o, scratch: Scratch, T: int, has_state: bool, stream=None) -> None:
+    def __call__(self, mixed, conv_w, a_log, dt_bias, ring, qkv, state, o, scratch: Scratch, T: int, start: int,
+                 stream=None) -> None:
+        """mixed fp32 [T, conv_dim + value_dim + 2 Hv]; conv_w fp32 [conv_dim, K]; a_log, dt_bias fp32 [Hv]; ring
+        fp32 [K, conv_dim] and state fp32 [Hv, dv, dk], updated in place; qkv bf16 [T, conv_dim] and o fp32
+        [T, Hv, dv] written."""
         if T > scratch.tokens:
             raise ValueError(f"{T} tokens exceed the scratch's {scratch.tokens}")
         hv, dv = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
-        self.prep((math.ceil(T / CHUNK), hv), THREADS, qkv, g, beta, scratch.wy, scratch.aqk, scratch.fac, T,
-                  smem=self.prep_smem, stream=stream)
-        self.scan((hv, dv // self.bv), self.scan_threads, qkv, scratch.wy, scratch.aqk, scratch.fac, state, o, T,
-                  int(has_state), smem=self.scan_smem, stream=stream)
+        self.prep((math.ceil(T / CHUNK), hv), THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, scratch.wy,
+                  scratch.aqk, scratch.fac, T, start, smem=self.prep_smem, stream=stream)
+        self.scan((hv, dv // self.bv), self.scan_threads, qkv, scratch.wy, scratch.aqk, scratch.fac, state, o, mixed,
+                  ring, T, start, smem=self.scan_smem, stream=stream)
 
     def gated_norm(self, o, mixed, w, y, T: int, eps: float, stream=None) -> None:
         """y bf16 [T, Hv * dv] = gated RMSNorm of o with z from the in-projection rows `mixed`."""

@@ -99,7 +99,6 @@ def kernels(spec, tmp_path_factory):
         mods = {u.unit.template: result.module(u.unit.name) for u in result.units}
         return SimpleNamespace(
             cfg=cfg, gemm=gemm.Gemm(mods["prefill_gemm.cu.j2"], spec), rows=rows.Rows(mods["prefill_rows.cu.j2"], spec, cfg),
-            conv=conv1d.Conv1dGates(mods["prefill_conv1d.cu.j2"], cfg),
             gdn=gdn.ChunkedDeltaRule(mods["prefill_gdn.cu.j2"], spec, cfg),
             attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg))
     return get
@@ -268,67 +267,77 @@ def test_embed_and_rmsnorm_match_numpy(kernels, model, T, scale, seed):
     assert rel_err(y.numpy(), rows.rmsnorm_reference(xs, w, 1e-6)) < 8e-3
 
 
-# ---- conv1d + gates ----------------------------------------------------------------------------------------------
+# ---- the DeltaNet front (conv1d + gates) and the chunked delta rule ------------------------------------------
+
+def front_inputs(cfg, T: int, rng, weak_decay: bool = False):
+    """mixed [T, C + VD + 2 Hv], conv_w [C, K], a_log, dt_bias [Hv] and a conv ring [K, C], drawn."""
+    K, C, hv = cfg.linear_conv_kernel_dim, cfg.conv_dim, cfg.linear_num_value_heads
+    mixed = rng.standard_normal((T, C + cfg.value_dim + 2 * hv), dtype=np.float32)
+    conv_w = (rng.standard_normal((C, K)) / 2).astype(np.float32)
+    a_log = np.log(np.full(hv, 1e-3) if weak_decay else rng.uniform(1, 16, hv)).astype(np.float32)
+    dt_bias = (0.1 * rng.standard_normal(hv)).astype(np.float32)
+    ring = rng.standard_normal((K, C), dtype=np.float32)
+    return mixed, conv_w, a_log, dt_bias, ring
+
+
+def run_gdn(k, T: int, start: int, mixed, conv_w, a_log, dt_bias, ring0, s0):
+    """The prep and scan on fresh device copies, outputs poisoned; at start 0 the ring and state are NaN (neither may
+    be read). -> (qkv, o, ring, state, scratch.fac) as numpy arrays."""
+    c = k.cfg
+    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    ring = dev(ring0 if start else np.full_like(ring0, np.nan))
+    state = dev(s0) if start else poisoned((hv, dv, dk), np.float32)
+    qkv, o, scratch = poisoned((T, c.conv_dim), BF16), poisoned((T, hv, dv), np.float32), gdn.Scratch(c, T)
+    scratch.fac.fill_bytes(0xFF)
+    k.gdn(dev(mixed), dev(conv_w), dev(a_log), dev(dt_bias), ring, qkv, state, o, scratch, T, start)
+    out = qkv.numpy(), o.numpy(), ring.numpy(), state.numpy(), scratch.fac.numpy()
+    scratch.free()
+    return out
+
 
 @pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
 @SETTINGS
 @given(T=st.one_of(st.sampled_from([1, 2, 3, 4, 63, 64, 65, 520]), st.integers(1, 300)),
        start=st.sampled_from([0, 1, 2, 3, 5, 64, 1001]), seed=st.integers(0, 2**32 - 1))
-def test_conv1d_and_gates_match_numpy(kernels, model, T, start, seed):
+def test_deltanet_front_matches_numpy(kernels, model, T, start, seed):
+    """qkv (conv1d + SiLU), the new conv state and beta (in the prep's factors) against conv1d.reference."""
     k = kernels(model)
     c = k.cfg
-    K, C, HV = c.linear_conv_kernel_dim, c.conv_dim, c.linear_num_value_heads
+    K, hv = c.linear_conv_kernel_dim, c.linear_num_value_heads
     rng = np.random.default_rng(seed)
-    mixed = rng.standard_normal((T, C + c.value_dim + 2 * HV), dtype=np.float32)
-    conv_w = (rng.standard_normal((C, K)) / 2).astype(np.float32)
-    a_log = np.log(rng.uniform(1, 16, HV)).astype(np.float32)
-    dt_bias = (0.1 * rng.standard_normal(HV)).astype(np.float32)
-    ring0 = rng.standard_normal((K, C), dtype=np.float32)
-    if start == 0:  # nothing before the prompt: the ring must not be read
-        ring0[:] = np.nan
-    ring = dev(ring0)
-    qkv, g, beta = poisoned((T, C), BF16), poisoned((T, HV), np.float32), poisoned((T, HV), np.float32)
-    k.conv(dev(mixed), dev(conv_w), dev(a_log), dev(dt_bias), ring, qkv, g, beta, T, start)
-    ref_qkv, ref_g, ref_beta, ref_ring = conv1d.reference(c, mixed, conv_w, a_log, dt_bias,
-                                                          np.nan_to_num(ring0, nan=0.0), start)
-    assert rel_err(qkv.numpy(), ref_qkv) < 8e-3
-    assert rel_err(g.numpy(), ref_g) < 1e-5
-    assert rel_err(beta.numpy(), ref_beta) < 1e-5
+    mixed, conv_w, a_log, dt_bias, ring0 = front_inputs(c, T, rng)
+    s0 = (0.1 * rng.standard_normal((hv, c.linear_value_head_dim, c.linear_key_head_dim))).astype(np.float32)
+    qkv, _, ring, _, fac = run_gdn(k, T, start, mixed, conv_w, a_log, dt_bias, ring0, s0)
+    ref_qkv, _, ref_beta, ref_ring = conv1d.reference(c, mixed, conv_w, a_log, dt_bias,
+                                                      ring0 if start else np.zeros_like(ring0), start)
+    assert rel_err(qkv, ref_qkv) < 8e-3
+    chunks = -(-T // gdn.CHUNK)
+    beta = fac.reshape(-1, hv, gdn.FAC)[:chunks, :, :gdn.CHUNK].transpose(0, 2, 1).reshape(-1, hv)
+    assert rel_err(beta[:T], ref_beta) < 1e-5
+    assert not beta[T:].any(), "padding tokens have beta 0"
     # the new state (slots of positions start+T-K+1 .. start+T-1 at or after 0) is the reference's, bit for bit
-    out_ring = ring.numpy()
     for p in range(max(0, start + T - K + 1), start + T):
-        assert np.array_equal(out_ring[p % K], ref_ring[p % K]), f"conv state of position {p}"
-
-
-# ---- the chunked delta rule --------------------------------------------------------------------------------------
-
-def gdn_inputs(cfg, T: int, rng, weak_decay: bool):
-    qkv = bf16(rng.standard_normal((T, cfg.conv_dim), dtype=np.float32))
-    hv = cfg.linear_num_value_heads
-    rate = 1e-3 if weak_decay else rng.uniform(1, 16, hv)
-    g = (-rate * np.log1p(np.exp(rng.standard_normal((T, hv))))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((T, hv))))).astype(np.float32)
-    return qkv, g, beta
+        assert np.array_equal(ring[p % K], ref_ring[p % K]), f"conv state of position {p}"
 
 
 @pytest.mark.parametrize("model", ["tiny", "0.8b", "27b"])
 @SETTINGS
 @given(T=LENGTHS, has_state=st.booleans(), weak_decay=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_chunked_delta_rule_matches_numpy(kernels, model, T, has_state, weak_decay, seed):
+    """o and the new recurrent state against the reference's chunked rule on the front's outputs (qkv as the kernel
+    wrote it, checked against the reference by test_deltanet_front_matches_numpy; g and beta the reference's)."""
     k = kernels(model)
     c = k.cfg
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     rng = np.random.default_rng(seed)
-    qkv, g, beta = gdn_inputs(c, T, rng, weak_decay)
+    mixed, conv_w, a_log, dt_bias, ring0 = front_inputs(c, T, rng, weak_decay)
+    start = int(rng.integers(1, 5000)) if has_state else 0
     s0 = (0.1 * rng.standard_normal((hv, dv, dk))).astype(np.float32)
-    state = dev(s0) if has_state else poisoned((hv, dv, dk), np.float32)  # at position 0 S is never read
-    o = poisoned((T, hv, dv), np.float32)
-    scratch = gdn.Scratch(c, T)
-    k.gdn(dev(qkv), dev(g), dev(beta), state, o, scratch, T, has_state)
+    qkv, o, _, state, _ = run_gdn(k, T, start, mixed, conv_w, a_log, dt_bias, ring0, s0)
+    _, g, beta, _ = conv1d.reference(c, mixed, conv_w, a_log, dt_bias, ring0 if start else np.zeros_like(ring0), start)
     ref_o, ref_s = gdn.reference(c, qkv, g, beta, s0 if has_state else None)
-    assert rel_err(o.numpy(), ref_o) < 2e-3
-    assert rel_err(state.numpy(), ref_s) < 2e-3
-    scratch.free()
+    assert rel_err(o, ref_o) < 2e-3
+    assert rel_err(state, ref_s) < 2e-3
 
 
 @pytest.mark.parametrize("model", ["tiny", "0.8b"])
