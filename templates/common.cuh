@@ -174,4 +174,24 @@ __device__ __forceinline__ ArgMax warp_argmax(ArgMax a) {
     return a;
 }
 
+// A barrier among `threads` threads (whole warps) on named barrier `id`, and one that also returns whether any of
+// them passed `p`.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool p) {
+    int any;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "bar.red.or.pred q, %2, %3, p;\n"
+        "selp.b32 %0, 1, 0, q;\n"
+        "}\n"
+        : "=r"(any)
+        : "r"(int(p)), "r"(id), "r"(threads)
+        : "memory");
+    return any != 0;
+}
+
 }  // namespace lucegen

@@ -39,13 +39,19 @@ __device__ __forceinline__ void conv1d_silu_quad(const float* __restrict__ mixed
     // x[i]: the raw input of token t0 - (K-1) + i (from the ring before the prompt, zero before position 0 and
     // past the prompt's end, where nothing is stored)
     float4 x[W];
+    const float* in = mixed + (size_t)(t0 - (K - 1)) * S::MW + c;
+    if (t0 >= K - 1 && t0 + TOKENS <= T) {  // the window inside the prompt: the loads issue back to back
 #pragma unroll
-    for (int i = 0; i < W; ++i) {
-        const int t = t0 - (K - 1) + i, pos = start + t;
-        x[i] = t >= T ? zero
-               : t >= 0 ? *reinterpret_cast<const float4*>(mixed + (size_t)t * S::MW + c)
-               : pos >= 0 ? *reinterpret_cast<const float4*>(ring + (size_t)(pos % K) * S::C + c)
-                          : zero;
+        for (int i = 0; i < W; ++i) x[i] = *reinterpret_cast<const float4*>(in + (size_t)i * S::MW);
+    } else {
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+            const int t = t0 - (K - 1) + i, pos = start + t;
+            x[i] = t >= T ? zero
+                   : t >= 0 ? *reinterpret_cast<const float4*>(in + (size_t)i * S::MW)
+                   : pos >= 0 ? *reinterpret_cast<const float4*>(ring + (size_t)(pos % K) * S::C + c)
+                              : zero;
+        }
     }
     float4 w[K];
 #pragma unroll

@@ -111,12 +111,15 @@ __device__ __forceinline__ void row_sumsq(SwizzledTile<64, DK> tile, F&& out) {
     }
 }
 
+// The barrier of the prep's warps 0-3 (warps 4-7 leave after the front).
+__device__ __forceinline__ void prep_sync() { named_barrier(1, 128); }
+
 // T = (I + A)^-1 for a strictly lower A (64 x 64, padded rows) in fp32, by the block's four warps (FLA's solve_tril):
 // warp w inverts diagonal block w by forward substitution (lane l < 16: column l, 16 steps), then the blocks below
 // the diagonal follow one distance at a time, T_ij = -T_ii (sum_{k=j}^{i-1} A_ik T_kj), the sum staged in A's unused
 // block (j, i) above its diagonal. T is written whole (zeros above the diagonal) to t (64 x 64, padded rows). The
 // other 16 lanes of each warp run `side(r)` for r = 16 w .. 16 w + 15 during the diagonal blocks. Ends with
-// __syncthreads().
+// prep_sync().
 template <class F>
 __device__ __forceinline__ void unit_lower_inverse(float* a, float* t, F&& side) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 16 * warp;
@@ -137,7 +140,7 @@ __device__ __forceinline__ void unit_lower_inverse(float* a, float* t, F&& side)
     } else {
         side(d0 + lane - 16);
     }
-    __syncthreads();
+    prep_sync();
     const int r = lane / 2, c0 = lane % 2 * 8;  // this lane's row and 8 columns of a 16 x 16 block
 #pragma unroll 1
     for (int d = 1; d < 4; ++d) {
@@ -170,25 +173,28 @@ __device__ __forceinline__ void unit_lower_inverse(float* a, float* t, F&& side)
 #pragma unroll
             for (int u = 0; u < 8; ++u) t[(16 * i + r) * GDN_MAT_LD + 16 * j + c0 + u] = o[u];
         }
-        __syncthreads();
+        prep_sync();
     }
 }
 
-// The DeltaNet front of chunk n for value head h (conv1d.cuh): q and k of its key head and v of h, convolved and
-// SiLU'd from the in-projection rows `mixed`, go to qkv in bf16 (q and k by the first value head of the key head
-// only: the others compute the same values) and q, k also into the prep's tiles (rows past the prompt zero); the
-// gates into sm.g and sm.beta (zero past the prompt: no decay, no update, as the reference pads). Reads the conv
-// ring for the tokens before `start` and does not write it: the scan does, after every prep block has read it.
+// The DeltaNet front of chunk n for value head h (conv1d.cuh), by the prep's 256 threads: q and k of its key head,
+// convolved and SiLU'd from the in-projection rows `mixed`, into the prep's tiles in bf16 (rows past the prompt zero)
+// and into qkv (by the first value head of the key head only: the others compute the same values); the gates into
+// sm.g and sm.beta (zero past the prompt: no decay, no update, as the reference pads). Reads the conv ring for the
+// tokens before `start` and does not write it: the scan does, after every prep block has read it. Ends with
+// __syncthreads(); gdn_front_v then convolves v.
+constexpr int GDN_FRONT_TOKENS = 16;  // a thread's token range (19 loads in flight for K = 4)
+
 template <class S, class F>
-__device__ __forceinline__ void gdn_front(const float* __restrict__ mixed, const float* __restrict__ conv_w,
-                                          const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                                          const float* __restrict__ ring, bf16* __restrict__ qkv, int T, int start,
-                                          int t0, int valid, int h, const GdnPrepSmem<S>& sm) {
-    constexpr int THREADS = 128, TOKENS = 16, QK = S::DK / 4, QUADS = 2 * QK + S::DV / 4;
+__device__ __forceinline__ void gdn_front_qk(const float* __restrict__ mixed, const float* __restrict__ conv_w,
+                                             const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                             const float* __restrict__ ring, bf16* __restrict__ qkv, int T,
+                                             int start, int t0, int valid, int h, const GdnPrepSmem<S>& sm) {
+    constexpr int THREADS = 256, QK = S::DK / 4;
     static_assert(F::C == S::CW, "the conv channels are the qkv row");
     const int kh = h / S::RATIO;
     const bool writes_qk = h % S::RATIO == 0;
-    for (int e = threadIdx.x; e < (64 - valid) * S::DK / 8; e += THREADS) {  // the tiles' rows past the prompt
+    for (int e = threadIdx.x; e < (64 - valid) * S::DK / 8; e += THREADS) {
         const int r = valid + e / (S::DK / 8), c = e % (S::DK / 8);
         *reinterpret_cast<uint4*>(sm.q.chunk(r, c)) = make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4*>(sm.k.chunk(r, c)) = make_uint4(0, 0, 0, 0);
@@ -199,20 +205,35 @@ __device__ __forceinline__ void gdn_front(const float* __restrict__ mixed, const
         sm.g[threadIdx.x] = gb.x, sm.beta[threadIdx.x] = gb.y;
     }
 #pragma unroll 1
-    for (int item = threadIdx.x; item < QUADS * (64 / TOKENS); item += THREADS) {
-        const int quad = item % QUADS, first = t0 + item / QUADS * TOKENS;
+    for (int item = threadIdx.x; item < 2 * QK * (64 / GDN_FRONT_TOKENS); item += THREADS) {
+        const int quad = item % (2 * QK), first = t0 + item / (2 * QK) * GDN_FRONT_TOKENS;
         if (first >= T) continue;
-        const bool is_v = quad >= 2 * QK, is_k = !is_v && quad >= QK;
-        const int col = 4 * (is_v ? quad - 2 * QK : is_k ? quad - QK : quad);  // within the head
-        const int c = is_v ? 2 * S::KD + h * S::DV + col : (is_k ? S::KD : 0) + kh * S::DK + col;
+        const bool is_k = quad >= QK;
+        const int col = 4 * (quad % QK), c = (is_k ? S::KD : 0) + kh * S::DK + col;
         const SwizzledTile<64, S::DK> tile = is_k ? sm.k : sm.q;
-        conv1d_silu_quad<F, TOKENS>(mixed, conv_w, ring, c, first, T, start, [&](int t, float4 y) {
+        conv1d_silu_quad<F, GDN_FRONT_TOKENS>(mixed, conv_w, ring, c, first, T, start, [&](int t, float4 y) {
             const uint2 u = bf16x4(y);
-            if (!is_v) *reinterpret_cast<uint2*>(tile.chunk(t - t0, col / 8) + col % 8 * 2) = u;
-            if (is_v || writes_qk) *reinterpret_cast<uint2*>(qkv + (size_t)t * S::CW + c) = u;
+            *reinterpret_cast<uint2*>(tile.chunk(t - t0, col / 8) + col % 8 * 2) = u;
+            if (writes_qk) *reinterpret_cast<uint2*>(qkv + (size_t)t * S::CW + c) = u;
         });
     }
     __syncthreads();
+}
+
+// v of value head h over chunk n, into qkv, by `threads` threads (thread index `tid`).
+template <class S, class F>
+__device__ __forceinline__ void gdn_front_v(const float* __restrict__ mixed, const float* __restrict__ conv_w,
+                                            const float* __restrict__ ring, bf16* __restrict__ qkv, int T, int start,
+                                            int t0, int h, int tid, int threads) {
+    constexpr int VQ = S::DV / 4;
+#pragma unroll 1
+    for (int item = tid; item < VQ * (64 / GDN_FRONT_TOKENS); item += threads) {
+        const int first = t0 + item / VQ * GDN_FRONT_TOKENS, c = 2 * S::KD + h * S::DV + 4 * (item % VQ);
+        if (first >= T) continue;
+        conv1d_silu_quad<F, GDN_FRONT_TOKENS>(mixed, conv_w, ring, c, first, T, start, [&](int t, float4 y) {
+            *reinterpret_cast<uint2*>(qkv + (size_t)t * S::CW + c) = bf16x4(y);
+        });
+    }
 }
 
 // The new conv state of the channels value head h reads (conv_ring_update), by the scan's first slice of h: q and k
@@ -230,19 +251,24 @@ __device__ __forceinline__ void gdn_conv_state(const float* __restrict__ mixed, 
     }
 }
 
-// One (chunk, value head) of the prep, by a block of 128 threads with GdnPrepSmem::BYTES of dynamic shared memory:
-// the front (gdn_front), then the chunk's WY quantities.
+// One (chunk, value head) of the prep, by a block of 256 threads with GdnPrepSmem::BYTES of dynamic shared memory:
+// the front of q and k (gdn_front_qk), then warps 4-7 convolve v and leave, while warps 0-3 compute the chunk's
+// WY quantities (their barriers: named barrier 1 of 128 threads, prep_sync).
 template <class S, class F>
 __device__ void gdn_prep(const float* __restrict__ mixed, const float* __restrict__ conv_w,
                          const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                          const float* __restrict__ ring, bf16* __restrict__ qkv, float* __restrict__ wy,
                          float* __restrict__ aqk, float* __restrict__ fac, int T, int start, int n, int h,
                          unsigned char* smem) {
-    constexpr int THREADS = 128;
+    constexpr int THREADS = 128;  // after the front
     const GdnChunk<S> ch(qkv, n, h, T);
     const GdnPrepSmem<S> sm(smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-    gdn_front<S, F>(mixed, conv_w, a_log, dt_bias, ring, qkv, T, start, ch.t0, ch.valid, h, sm);
+    gdn_front_qk<S, F>(mixed, conv_w, a_log, dt_bias, ring, qkv, T, start, ch.t0, ch.valid, h, sm);
+    if (threadIdx.x >= THREADS) {
+        gdn_front_v<S, F>(mixed, conv_w, ring, qkv, T, start, ch.t0, h, threadIdx.x - THREADS, THREADS);
+        return;
+    }
 
     // l2 norm factors (q's with dk^-1/2) and the cumulative log-decay
     row_sumsq<S::DK>(sm.q, [&](int r, float ss) { sm.qn[r] = rsqrtf(ss + 1e-6f) * rsqrtf(float(S::DK)); });
@@ -260,7 +286,7 @@ __device__ void gdn_prep(const float* __restrict__ mixed, const float* __restric
         sm.c[2 * lane] = before + g0;
         sm.c[2 * lane + 1] = (before + g0) + g1;
     }
-    __syncthreads();
+    prep_sync();
 
     // k k^T and q k^T for rows 16 warp .. 16 warp + 15, all 64 columns (bf16 products are exact in fp32)
     float kk[8][4] = {}, qk[8][4] = {};
@@ -295,7 +321,7 @@ __device__ void gdn_prep(const float* __restrict__ mixed, const float* __restric
             *reinterpret_cast<float2*>(sm.a + i * GDN_MAT_LD + j) = make_float2(av[0], av[1]);
             *reinterpret_cast<uint2*>(aqk_out + i * 64 + j) = make_uint2(tf32(qv[0]), tf32(qv[1]));  // the scan's operand
         }
-    __syncthreads();
+    prep_sync();
 
     float* f = fac + ch.scratch * GDN_FAC;
     unit_lower_inverse(sm.a, sm.t, [&](int r) {  // the per-token factors, beside the diagonal blocks

@@ -29,7 +29,8 @@ from ..spec import ChipSpec
 CHUNK = 64
 MAT_LD = 68   # padded fp32 row of a 64 x 64 matrix in shared memory
 FAC = 5 * 64  # per-token factors per (chunk, head)
-THREADS = 128
+THREADS = 128       # the gated norm's blocks
+PREP_THREADS = 256  # the front's q and k by all, then v by warps 4-7 beside the WY work of warps 0-3
 
 
 def reference(cfg: ModelConfig, qkv: np.ndarray, g: np.ndarray, beta: np.ndarray,
@@ -109,7 +110,7 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
               "prep_smem": prep_smem(model), "scan_smem": scan_smem(model, bv, stages)}
     name = f"prefill_gdn_k{model.linear_num_key_heads}x{model.linear_key_head_dim}_v{model.linear_num_value_heads}"
     return [KernelUnit(name, "prefill_gdn.cu.j2", params, (
-        KernelSig("gdn_chunk_prep", THREADS, dynamic_smem=prep_smem(model)),
+        KernelSig("gdn_chunk_prep", PREP_THREADS, dynamic_smem=prep_smem(model)),
         KernelSig("gdn_chunk_scan", 32 * warps, dynamic_smem=scan_smem(model, bv, stages)),
         KernelSig("gdn_gated_norm", THREADS)))]
 
@@ -153,7 +154,7 @@ class ChunkedDeltaRule:
         if T > scratch.tokens:
             raise ValueError(f"{T} tokens exceed the scratch's {scratch.tokens}")
         hv, dv = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
-        self.prep((math.ceil(T / CHUNK), hv), THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, scratch.wy,
+        self.prep((math.ceil(T / CHUNK), hv), PREP_THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, scratch.wy,
                   scratch.aqk, scratch.fac, T, start, smem=self.prep_smem, stream=stream)
         self.scan((hv, dv // self.bv), self.scan_threads, qkv, scratch.wy, scratch.aqk, scratch.fac, state, o, mixed,
                   ring, T, start, smem=self.scan_smem, stream=stream)
