@@ -1,14 +1,15 @@
-"""Kernel families. Each module holds a numpy reference, the units `lucegen build` renders, and a launcher."""
+"""Kernel families. Each module holds a numpy reference, the units `lucegen build` renders, and a launcher (conv1d:
+the reference and device code of the DeltaNet front, which the gdn family's prep runs)."""
 from __future__ import annotations
 
 from ..codegen.unit import KernelUnit
 from ..model.config import ModelConfig
 from ..spec import ChipSpec
-from . import argmax, attention, conv1d, draft, gdn, gemm, gemv, layered, megakernel, norm, qgemv, rows, topk, tree
+from . import argmax, attention, draft, gdn, gemm, gemv, layered, megakernel, norm, qgemv, rows, topk, tree
 
 # the prefill families (rows .. attention) skip model shapes their tiles cannot take; so does the decode megakernel
 # where a model's rows exceed a block's shared memory
-FAMILIES = (norm, gemv, argmax, rows, gemm, conv1d, gdn, attention, qgemv, megakernel, layered, tree, draft, topk)
+FAMILIES = (norm, gemv, argmax, rows, gemm, gdn, attention, qgemv, megakernel, layered, tree, draft, topk)
 
 
 def all_units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
