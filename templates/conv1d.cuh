@@ -53,11 +53,13 @@ __device__ __forceinline__ void conv1d_silu_quad(const float* __restrict__ mixed
                               : zero;
         }
     }
-    float4 w[K];
+    float wc[4 * K];  // the four channels' taps, 4K consecutive floats: K 16-byte loads, not 4K scalar ones
 #pragma unroll
     for (int j = 0; j < K; ++j)
-        w[j] = make_float4(__ldg(conv_w + (c + 0) * K + j), __ldg(conv_w + (c + 1) * K + j),
-                           __ldg(conv_w + (c + 2) * K + j), __ldg(conv_w + (c + 3) * K + j));
+        *reinterpret_cast<float4*>(wc + 4 * j) = __ldg(reinterpret_cast<const float4*>(conv_w + (size_t)c * K) + j);
+    float4 w[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = make_float4(wc[j], wc[K + j], wc[2 * K + j], wc[3 * K + j]);
 #pragma unroll
     for (int i = 0; i < TOKENS; ++i) {
         if (t0 + i >= T) break;

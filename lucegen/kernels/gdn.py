@@ -154,7 +154,7 @@ class ChunkedDeltaRule:
         if T > scratch.tokens:
             raise ValueError(f"{T} tokens exceed the scratch's {scratch.tokens}")
         hv, dv = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
-        self.prep((math.ceil(T / CHUNK), hv), PREP_THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, scratch.wy,
+        self.prep((hv, math.ceil(T / CHUNK)), PREP_THREADS, mixed, conv_w, a_log, dt_bias, ring, qkv, scratch.wy,
                   scratch.aqk, scratch.fac, T, start, smem=self.prep_smem, stream=stream)
         self.scan((hv, dv // self.bv), self.scan_threads, qkv, scratch.wy, scratch.aqk, scratch.fac, state, o, mixed,
                   ring, T, start, smem=self.scan_smem, stream=stream)
