@@ -103,11 +103,15 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
         return []
     bv, stages = scan_config(spec, model)
     warps = scan_warps(spec, model, bv)
+    # two prep blocks an SM where shared memory holds them (a prompt's chunks x heads pass the SM count: 144 blocks of
+    # the 0.8B's 520 tokens on 132 SMs), so a thread gets 128 registers; else one, with no such cap (sm_120 spills
+    # under it)
+    prep_blocks = min(2, spec.max_coresident_blocks(PREP_THREADS, smem=prep_smem(model)) // spec.chip.sm_count)
     params = {"warps": warps, "dk": model.linear_key_head_dim, "dv": model.linear_value_head_dim,
               "hk": model.linear_num_key_heads, "hv": model.linear_num_value_heads, "bv": bv, "stages": stages,
               "c": model.conv_dim, "vd": model.value_dim, "k": model.linear_conv_kernel_dim,
               "mw": model.conv_dim + model.value_dim + 2 * model.linear_num_value_heads,
-              "prep_smem": prep_smem(model), "scan_smem": scan_smem(model, bv, stages)}
+              "prep_smem": prep_smem(model), "prep_blocks": max(1, prep_blocks), "scan_smem": scan_smem(model, bv, stages)}
     name = f"prefill_gdn_k{model.linear_num_key_heads}x{model.linear_key_head_dim}_v{model.linear_num_value_heads}"
     return [KernelUnit(name, "prefill_gdn.cu.j2", params, (
         KernelSig("gdn_chunk_prep", PREP_THREADS, dynamic_smem=prep_smem(model)),
