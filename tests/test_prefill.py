@@ -80,8 +80,8 @@ def test_gemm_picks_large_tiles_for_long_prompts_and_small_ones_for_short(method
 
 def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
     """At 520 tokens (3 token tiles of 176) the 0.8B's in-projection is one wave of 176x192 tiles, its attention
-    qkv one of 176x128, and its residual adds 176x128 tiles split along K; at 4096 tokens the 128x256 tile takes
-    every projection."""
+    qkv one of 176x128, and its residual adds 88x128 tiles split along K in two (96 blocks, as many as 176x128 tiles
+    in four slices: the tie goes to the fewer slices); at 4096 tokens the 128x256 tile takes every projection."""
     h200, cfg = load_spec("h200"), REAL[0]
     in_rows = cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
     wide = gemm.choose(h200, 520, in_rows, cfg.hidden_size, "f32")
@@ -89,9 +89,10 @@ def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
     qkv = gemm.choose(h200, 520, cfg.q_proj_rows + 2 * cfg.kv_dim, cfg.hidden_size, "bf16")
     assert qkv.tokens_n and qkv.name == "wt176x128"
     assert gemm.choose(h200, 4096, in_rows, cfg.hidden_size, "f32") == gemm.tile_configs(h200)[0]
-    for k in (2048, 3584):  # the residual adds: token-N tiles, K split over a cluster (the most the spec allows)
+    for k in (2048, 3584):  # the residual adds: token-N tiles, K split over a cluster
         add = gemm.choose(h200, 520, 1024, k, "add")
-        assert add.tokens_n and gemm.splits(h200, add, 520, 1024, k, "add") == h200.tuning.prefill.split_k
+        assert add.name == "wt88x128" and gemm.splits(h200, add, 520, 1024, k, "add") == 2
+        assert add.tiles(520, 1024) * 2 == 96 <= h200.chip.sm_count
 
 
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
@@ -105,6 +106,7 @@ def test_gemm_splits_k_only_for_adds_that_leave_sms_idle(spec, m, n2, kt, epilog
     c = gemm.choose(spec, m, n, k, epilogue)
     s = gemm.splits(spec, c, m, n, k, epilogue)
     assert 1 <= s <= spec.tuning.prefill.split_k
+    assert not c.slices or s == c.slices  # a config with its own count of slices is taken only for that split
     if s > 1:
         assert epilogue == "add" and c.tiles(m, n) < spec.chip.sm_count and kt // s >= gemm.MIN_SLICE
         # a split pays for its partials' round trip only by unloading the busiest SM
@@ -126,6 +128,8 @@ def test_the_0_8b_residual_gemms_at_pp520_split_k_and_the_27b_ones_at_pp4096_do_
         assert gemm.splits(h200, c, 520, 1024, k, "add") > 1
         assert gemm.splits(h200, c, 520, 1024, k, "bf16") == 1
         assert gemm.splits(h200.with_prefill(split_k=1), c, 520, 1024, k, "add") == 1  # split_k 1: no split
+    for n, k in ((34816, 5120), (5120, 17408)):  # the 27B's gate/up and down at 520: unsplit, not on the split tile
+        assert gemm.choose(h200, 520, n, k, "silu" if n > k else "add").slices == 0
     big = gemm.choose(h200, 4096, 5120, 17408, "add")
     assert gemm.splits(h200, big, 4096, 5120, 17408, "add") == 1
 

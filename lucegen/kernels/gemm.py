@@ -51,12 +51,18 @@ BK = 64          # K columns per pipeline stage
 
 MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
 
-# wgmma's token-N tiles: (tokens, consumer warpgroups of 64 weight rows, relative throughput). 176 tokens: a 520-token
+# wgmma's token-N tiles: (tokens, consumer warpgroups of 64 weight rows, relative throughput, slices: 0, or the one
+# count of slices of K it is taken for). 176 tokens: a 520-token
 # prompt is 3 tiles (1.5% padding) where 64-row tiles pad to 576 and 128-row ones to 640; 192 weight rows: the 0.8B's
 # 8224-row in-projection is 43 x 3 = 129 tiles, one wave of 132 SMs. Throughputs from the GEMMs of the 0.8B and 27B
 # at 520 tokens timed in graphs on the H200 (session 13, .lab/s13_gemm.py): 176x128 is the best tile on 5120-row
-# outputs, 176x192 on wider ones.
-TOKEN_N_TILES = ((176, 3, 1.0), (176, 2, 0.9))
+# outputs, 176x192 on wider ones. 88 tokens: the 0.8B's residual adds at 520 tokens in 48 tiles, split in two (96
+# blocks, clusters of 2), where 176-token tiles take four slices for the same blocks and the same work a block, and
+# add twice the partials across blocks (session 18: 0.8B pp520 graph 2,699 -> 2,677 us; 120 or 128 blocks in
+# clusters of 3 or 4 do not fit the GPCs in one wave, 3,040 us). So it is taken for launches split in two only:
+# unsplit, it reads W from L2 twice as often as a 176-token tile (the 27B's gate/up at 520 tokens: 23.0 ms against
+# 20.7 on 176x192).
+TOKEN_N_TILES = ((176, 3, 1.0, 0), (176, 2, 0.9, 0), (88, 2, 0.9, 2))
 
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
@@ -85,6 +91,7 @@ class TileConfig:
     efficiency: float  # relative throughput of a block's tile, for choosing between configs
     method: str = "mma"
     tokens_n: bool = False  # wgmma with the tokens on the instruction's N: bm tokens x bn = 64 wm weight rows
+    slices: int = 0  # 0: any split of K (splits); else the config is taken only for launches split this many ways
 
     @property
     def threads(self) -> int:
@@ -105,10 +112,11 @@ class TileConfig:
 
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
-             min_stages: int = 2, max_stages: int = 4, method: str = "mma", tokens_n: bool = False) -> TileConfig | None:
+             min_stages: int = 2, max_stages: int = 4, method: str = "mma", tokens_n: bool = False,
+             slices: int = 0) -> TileConfig | None:
     """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block, or None."""
     for stages in range(max_stages, min_stages - 1, -1):
-        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method, tokens_n)
+        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method, tokens_n, slices)
         if cfg.smem <= spec.chip.smem_per_block:
             return cfg
     return None
@@ -126,9 +134,9 @@ def tile_configs(spec: ChipSpec) -> tuple[TileConfig, ...]:
     if spec.tuning.prefill.gemm == "wgmma":
         large = _deepest(spec, 128, 256, 2, 1, 1, 1.0, min_stages=3, max_stages=6, method="wgmma")
         small = _deepest(spec, 64, 128, 1, 1, 2, 0.8, method="wgmma")
-        tokens_n = tuple(c for bm, consumers, eff in TOKEN_N_TILES
+        tokens_n = tuple(c for bm, consumers, eff, slices in TOKEN_N_TILES
                          if (c := _deepest(spec, bm, 64 * consumers, consumers, 1, 1, eff, max_stages=12,
-                                           method="wgmma", tokens_n=True)))
+                                           method="wgmma", tokens_n=True, slices=slices)))
     else:
         large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
         small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
@@ -146,12 +154,13 @@ def _waves(spec: ChipSpec, c: TileConfig, m: int, n: int, splits: int) -> float:
 
 def splits(spec: ChipSpec, c: TileConfig, m: int, n: int, k: int, epilogue: str) -> int:
     """Slices of K for config c: 1, but for an `add` with fewer tiles than SMs (a narrow output at a short prompt)
-    the count (<= tuning.prefill.split_k, >= MIN_SLICE k tiles each, tiles x slices <= one wave of resident blocks,
-    which bounds the workspace) that least loads the busiest SM, the fewest on a tie."""
+    the count (<= tuning.prefill.split_k and the config's `slices`, >= MIN_SLICE k tiles each, tiles x slices <= one
+    wave of resident blocks, which bounds the workspace) that least loads the busiest SM, the fewest on a tie."""
     tiles, wave = c.tiles(m, n), spec.chip.sm_count * c.min_blocks
     if epilogue != "add" or tiles >= spec.chip.sm_count:
         return 1
-    most = max(1, min(spec.tuning.prefill.split_k, k // BK // MIN_SLICE, wave // tiles))
+    cap = min(spec.tuning.prefill.split_k, c.slices or spec.tuning.prefill.split_k)
+    most = max(1, min(cap, k // BK // MIN_SLICE, wave // tiles))
     return min(range(1, most + 1), key=lambda s: (_waves(spec, c, m, n, s), s))
 
 
@@ -174,9 +183,14 @@ def workspace(spec: ChipSpec) -> tuple[int, int]:
 
 def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
     """The config with the shorter estimated time: the busiest SM's work (with the config's split of K) times the
-    time of one tile."""
-    return min(tile_configs(spec), key=lambda c: _waves(spec, c, m, n, splits(spec, c, m, n, k, epilogue))
-               * c.bm * c.bn / c.efficiency)
+    time of one tile; on a tie, the one with fewer slices of K (fewer partials to add across blocks). A config with
+    `slices` is a candidate only where it splits K that many ways."""
+    def cost(c: TileConfig) -> tuple[float, int]:
+        s = splits(spec, c, m, n, k, epilogue)
+        if c.slices and s != c.slices:
+            return math.inf, s
+        return _waves(spec, c, m, n, s) * c.bm * c.bn / c.efficiency, s
+    return min(tile_configs(spec), key=cost)
 
 
 def product(x: np.ndarray, w: np.ndarray) -> np.ndarray:

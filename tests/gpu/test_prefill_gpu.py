@@ -161,7 +161,7 @@ def test_token_n_gemm_matches_numpy(gemms, epilogue, m, n16, k, seed):
 
 
 @pytest.mark.parametrize("epilogue", list(gemm.EPILOGUES))
-@pytest.mark.parametrize("tile", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("tile", [0, 1, 2, 3, 4, 5])
 @pytest.mark.parametrize("method", GEMM_METHODS)
 @pytest.mark.parametrize("m, n, k", [(4097, 2560, 1024), (1500, 10240, 192)])
 def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue, tile, m, n, k):
@@ -180,7 +180,8 @@ def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue,
 SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
 
 
-SPLIT_TILES = ["large", "small", "token_n_192", "token_n_128"]  # gemm.tile_configs' order; token-N: wgmma's only
+# gemm.tile_configs' order; the token-N tiles are wgmma's only
+SPLIT_TILES = ["large", "small", "token_n_192", "token_n_128", "token_n_88"]
 
 
 def split_tile(spec, tile: str):
@@ -210,7 +211,8 @@ def test_split_k_gemm_sums_its_slices_in_slice_order(gemms, method, tile, m, n, 
         chain = chain + p
     for p in parts[-2::-1]:
         backwards = backwards + p
-    assert not np.array_equal(ref, chain) and not np.array_equal(ref, y0 + backwards)  # the test can tell
+    # the test can tell (two slices summed backwards are the same sum: addition commutes)
+    assert not np.array_equal(ref, chain) and (s == 2 or not np.array_equal(ref, y0 + backwards))
     dx, dw = dev(x), dev(w)
     for launch in range(3):
         y = dev(y0)
