@@ -148,6 +148,12 @@ GEMM_METHODS = ("mma", "wgmma")
 
 
 @dataclass(frozen=True)
+class ModelPdl:
+    model: str    # a model config's name (qwen3.5-0.8b)
+    pdl: bool
+
+
+@dataclass(frozen=True)
 class PrefillTuning:
     chunk_tokens: int = 8192  # prompt tokens per pass through the layers (their activations must fit memory)
     gemm: str = "mma"         # mma: mma.sync + cp.async (sm_80+); wgmma: TMA + warpgroup MMA (sm_90a, Hopper only)
@@ -156,10 +162,15 @@ class PrefillTuning:
                               # 1: none, and every sum of the prefill is the same however the prompt is chunked
     pdl: bool = False         # programmatic dependent launch (sm_90+): each kernel's blocks start while the one before
                               # finishes (the GEMM's first weight tiles load then); the same arithmetic either way
+    model_pdl: tuple[ModelPdl, ...] = ()  # models whose prefill launches otherwise than `pdl` says
     attention: str = "mma"    # the attention where its (query tile, head) blocks fill the SMs: mma.sync (sm_80+), or
                               # wgmma with TMA (sm_90a, Hopper only; attention_wgmma.cuh)
     attention_split: int = 1  # blocks (a cluster, sm_90+) sharing a query tile's keys when the attention's (query
                               # tile, head) blocks would leave SMs idle; 1: one block walks all of a tile's keys
+
+    def pdl_for(self, model: str) -> bool:
+        """Whether `model`'s prefill launches programmatically."""
+        return next((m.pdl for m in self.model_pdl if m.model == model), self.pdl)
 
 
 @dataclass(frozen=True)
@@ -400,10 +411,10 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"DeltaNet chunk) between 64 and max_context {t.max_context}")
     if t.prefill.gemm not in GEMM_METHODS:
         _fail(source, "tuning.prefill.gemm", f"{t.prefill.gemm!r} is not one of {', '.join(GEMM_METHODS)}")
-    for name, pdl in (("layered", t.layered.pdl), ("prefill", t.prefill.pdl)):
+    for key, pdl in (("tuning.layered.pdl", t.layered.pdl), ("tuning.prefill.pdl", t.prefill.pdl),
+                     *((f"tuning.prefill.model_pdl[{i}].pdl", m.pdl) for i, m in enumerate(t.prefill.model_pdl))):
         if pdl and c.cc < 90:
-            _fail(source, f"tuning.{name}.pdl", f"programmatic dependent launch needs sm_90 or newer; this chip is "
-                  f"{c.arch}")
+            _fail(source, key, f"programmatic dependent launch needs sm_90 or newer; this chip is {c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.prefill.attention not in GEMM_METHODS:

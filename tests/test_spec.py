@@ -86,6 +86,8 @@ def _delete(path: str):
      "tuning.megakernel.model_threads[0].threads", "multiple of 32"),
     (_set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b"}]), "tuning.megakernel.model_threads[0].threads",
      "missing required key"),
+    (_set("tuning.prefill.model_pdl", [{"model": "qwen3.5-0.8b", "pdl": "on"}]), "tuning.prefill.model_pdl[0].pdl",
+     "expected true or false"),
     (_set("chip.arch", "sm_42"), "chip.arch", "not supported by the installed NVRTC"),
     (_set("chip.arch", "ampere"), "chip.arch", "expected an arch"),
     (_set("tuning.kv_format", "int2"), "tuning.kv_format", "is not one of"),
@@ -135,6 +137,24 @@ def test_programmatic_launch_needs_hopper(tmp_path):
         d["tuning"]["prefill"]["gemm"] = "mma"
     with pytest.raises(SpecError, match=r"tuning.layered.pdl: programmatic dependent launch needs sm_90"):
         load_spec(_write(tmp_path, mutate))
+
+
+def test_a_model_launched_programmatically_needs_hopper_too(tmp_path):
+    """h200's tuning.prefill.model_pdl launches the 0.8B's prefill programmatically: on sm_89 the entry is the error."""
+    def mutate(d):
+        d["chip"]["arch"] = "sm_89"
+        d["tuning"]["gemv"]["method"] = "ldg"
+        d["tuning"]["prefill"]["gemm"] = "mma"
+        d["tuning"]["layered"]["pdl"] = False
+    with pytest.raises(SpecError, match=r"tuning.prefill.model_pdl\[0\].pdl: programmatic dependent launch needs"):
+        load_spec(_write(tmp_path, mutate))
+
+
+def test_a_model_may_launch_its_prefill_otherwise_than_the_spec(tmp_path):
+    """tuning.prefill.model_pdl: the named model's prefill launches as its entry says, every other model's as pdl."""
+    path = _write(tmp_path, _set("tuning.prefill.model_pdl", [{"model": "qwen3.5-27b", "pdl": True}]))
+    prefill = load_spec(path).tuning.prefill
+    assert not prefill.pdl and prefill.pdl_for("qwen3.5-27b") and not prefill.pdl_for("qwen3.5-0.8b")
 
 
 def test_copy_engine_gemv_needs_hopper(tmp_path):

@@ -9,9 +9,9 @@ compared with this GPU's bf16 matmul rate measured in the same run (torch.matmul
 the 27B prefill at 4096 tokens and the 0.8B's at 520 are timed alone against torch.matmul on the same shapes (each
 over replays of a graph of 20 launches, as the prefill's graph runs them), with
 every GEMM variant: each method the chip allows (tuning.prefill.gemm: mma, and wgmma on Hopper), without and with
-split-K for the residual adds (tuning.prefill.split_k 1 and 4). A spec with programmatic dependent launch
-(tuning.prefill.pdl) is timed without it as well. HF transformers' pp520 (eager attention, bf16) is measured beside
-ours when torch and transformers import. The torch peers run in processes of their own (bench/peers.py).
+split-K for the residual adds (tuning.prefill.split_k 1 and 4). A model the spec launches programmatically
+(tuning.prefill.pdl, model_pdl) is timed without it as well. HF transformers' pp520 (eager attention, bf16) is
+measured beside ours when torch and transformers import. The torch peers run in processes of their own (bench/peers.py).
 
 Where the time goes: at pp520 and pp4096, for every GEMM variant, the prefill's graph is timed and one more pass is
 launched eagerly with an event pair around each kernel; each kernel kind's device time is recorded
@@ -81,9 +81,9 @@ def variants(spec: ChipSpec) -> list[ChipSpec]:
     return out
 
 
-def gemm_variant(spec: ChipSpec) -> dict:
+def gemm_variant(spec: ChipSpec, model: str) -> dict:
     p = spec.tuning.prefill
-    return {"gemm": p.gemm, "split_k": p.split_k, "pdl": p.pdl}
+    return {"gemm": p.gemm, "split_k": p.split_k, "pdl": p.pdl_for(model)}
 
 
 def graph_us(launch, stream: Stream) -> float:
@@ -117,7 +117,7 @@ def bench_gemms(rec: Recorder, spec: ChipSpec, cfg: ModelConfig, m: int, stream:
             us = graph_us(lambda st: op(x, w, y, m, n, k, epilogue, stream=st), stream)
             c = gemm.choose(s, m, n, k, epilogue)
             rec.record("gemm_tflops", f"{cfg.name} {name} {m}x{n}x{k}", flop / us / 1e6, "TFLOP/s", cublas,
-                       config=c.name, splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s),
+                       config=c.name, splits=gemm.splits(s, c, m, n, k, epilogue), **gemm_variant(s, cfg.name),
                        epilogue=epilogue, us=round(us, 2), **({"cublas_tflops": round(cublas, 1)} if cublas else {}))
         for a in (x, w, y):
             a.free()
@@ -151,11 +151,12 @@ def record_breakdown(rec: Recorder, cfg: ModelConfig, T: int, spec: ChipSpec, ki
                      ms: float) -> None:
     """Each kernel kind's time (prefill_kernel_us_<kind>), longest first."""
     total = sum(us for us, _, _ in kinds.values())
-    print(f"{cfg.name} pp{T}, GEMM {gemm_variant(spec)}: the kernels take {total:.0f} us timed one by one, the "
-          f"graph {ms * 1e3:.0f} us")
+    print(f"{cfg.name} pp{T}, GEMM {gemm_variant(spec, cfg.name)}: the kernels take {total:.0f} us timed one by "
+          f"one, the graph {ms * 1e3:.0f} us")
     for kind, (us, n, flops) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         rec.record(f"prefill_kernel_us_{kind}", f"{cfg.name} pp{T}", us, "us", launches=n, share=round(us / total, 3),
-                   **gemm_variant(spec), **({"tflops": round(flops / (us * 1e-6) / 1e12, 1)} if flops else {}))
+                   **gemm_variant(spec, cfg.name),
+                   **({"tflops": round(flops / (us * 1e-6) / 1e12, 1)} if flops else {}))
 
 
 def fits(cfg: ModelConfig, T: int) -> bool:
@@ -167,7 +168,7 @@ def fits(cfg: ModelConfig, T: int) -> bool:
 def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> None:
     spec = spec_for_current_device()
     rec = recorder or Recorder(gpu=device_info().name)
-    stream, pdl = Stream(), spec.tuning.prefill.pdl
+    stream = Stream()
     filler = fill.Fill(build(spec, tiny_config(), fill.units(spec)).module("fill"), spec)
     peak = peer("matmul_tflops", MATMUL_N, MATMUL_N, MATMUL_N)
     if peak:
@@ -185,7 +186,8 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
         prefill = Prefill(spec, cfg)
         state = DeviceState(cfg, max(runnable))
         # timed at the breakdown's lengths: the other GEMM variants, and the spec without programmatic launches
-        others = [Prefill(v, cfg) for v in variants(spec)[1:] + ([spec.with_prefill(pdl=False)] if pdl else [])]
+        plain = [spec.with_prefill(pdl=False, model_pdl=())] if spec.tuning.prefill.pdl_for(name) else []
+        others = [Prefill(v, cfg) for v in variants(spec)[1:] + plain]
         for T in runnable:
             ids = DeviceArray.from_numpy(rng.integers(0, cfg.vocab_size, T).astype(np.int32))
             for p in [prefill, *others] if T in BREAKDOWN_LENGTHS else [prefill]:
@@ -194,7 +196,7 @@ def run(recorder: Recorder | None = None, models=MODELS, lengths=LENGTHS) -> Non
                 tflops = flops / (ms * 1e-3) / 1e12
                 limit = T * peak * 1e12 / flops if peak else None
                 rec.record(f"pp{T}_tok_s", cfg.name, T / (ms * 1e-3), "tok/s", limit, ms=round(ms, 3),
-                           achieved_tflops=round(tflops, 1), chunk_tokens=p.chunk, **gemm_variant(p.spec),
+                           achieved_tflops=round(tflops, 1), chunk_tokens=p.chunk, **gemm_variant(p.spec, cfg.name),
                            **({"matmul_tflops": round(peak, 1), "of_matmul": round(tflops / peak, 3)} if peak else {}))
                 if T in BREAKDOWN_LENGTHS:
                     record_breakdown(rec, cfg, T, p.spec, kernel_times(p, weights, state, ids, graph, ms, stream), ms)

@@ -54,7 +54,8 @@ def units(spec: ChipSpec, cfg: ModelConfig) -> list[KernelUnit]:
 class Prefill:
     """prefill(weights, state, token_ids) -> logits (fp32 [vocab], a device array owned by this object).
 
-    `stream`: the stream it launches on unless told another, programmatic (tuning.prefill.pdl) where the spec says;
+    `stream`: the stream it launches on unless told another, programmatic where the spec says (tuning.prefill.pdl,
+    or the model's entry in tuning.prefill.model_pdl);
     every prefill kernel waits for the one before it (templates/common.cuh), so any stream serves."""
 
     def __init__(self, spec: ChipSpec, cfg: ModelConfig, chunk_tokens: int | None = None, root: Path = BUILD_DIR):
@@ -64,7 +65,7 @@ class Prefill:
             raise ValueError(f"chunk_tokens {self.chunk} is not a multiple of the DeltaNet chunk {gdn.CHUNK}")
         if problem := shape_problem(spec, cfg):
             raise ValueError(problem)
-        self.stream = Stream(programmatic=spec.tuning.prefill.pdl)
+        self.stream = Stream(programmatic=spec.tuning.prefill.pdl_for(cfg.name))
         result = build(spec, cfg, units(spec, cfg), root=root)
         modules = {u.unit.template: result.module(u.unit.name) for u in result.units}
         self.rows = rows.Rows(modules["prefill_rows.cu.j2"], spec, cfg)

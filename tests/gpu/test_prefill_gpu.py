@@ -499,7 +499,8 @@ def test_programmatic_launches_change_no_bit(spec, tmp_path):
         pytest.skip(f"programmatic dependent launch needs sm_90; {spec.name} is {spec.chip.arch}")
     cfg, T = MODELS["0.8b"](), 520
     ids = np.random.default_rng(11).integers(0, cfg.vocab_size, T)
-    plain, programmatic = (Prefill(spec.with_prefill(pdl=pdl), cfg, root=tmp_path) for pdl in (False, True))
+    plain, programmatic = (Prefill(spec.with_prefill(pdl=pdl, model_pdl=()), cfg, root=tmp_path)
+                           for pdl in (False, True))
     weights = DeviceWeights.upload(cfg, spec, model_weights("0.8b"))
     states = [DeviceState(cfg, T + 16) for _ in range(3)]
     want = run((plain, weights), states[0], ids).copy()
