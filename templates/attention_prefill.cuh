@@ -32,20 +32,25 @@ struct AttnShape {
 
 // ---- attention_prep ------------------------------------------------------------------------------------------
 
-// One head vector of HD bf16 per warp (lane holds dims E*lane ..): normalise with (1 + w) and rotate the first ROT
-// dims (rope = true), or copy (rope = false); cs holds cos [ROT/2] then sin [ROT/2] of this position.
+// One head vector of HD bf16 per warp: lane l holds dims E l .. E l + E - 1 of it in x (fp32).
 template <class S>
-__device__ __forceinline__ void attention_head_prep(const bf16* __restrict__ src, bf16* __restrict__ dst,
-                                                    const float* __restrict__ norm_w, const float* cs, float eps,
-                                                    bool norm_rope) {
-    constexpr int E = S::E, HALF = S::ROT / 2;
-    const int lane = threadIdx.x % 32, d0 = lane * E;
-    float x[E];
+__device__ __forceinline__ void attention_head_load(const bf16* __restrict__ src, float (&x)[S::E]) {
+    const int d0 = threadIdx.x % 32 * S::E;
 #pragma unroll
-    for (int e = 0; e < E; e += 2) {
+    for (int e = 0; e < S::E; e += 2) {
         const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + d0 + e));
         x[e] = v.x, x[e + 1] = v.y;
     }
+}
+
+// A loaded head vector normalised with (1 + w) and its first ROT dims rotated (norm_rope = true), or copied (false),
+// into dst; cs holds cos [ROT/2] then sin [ROT/2] of this position.
+template <class S>
+__device__ __forceinline__ void attention_head_store(float (&x)[S::E], bf16* __restrict__ dst,
+                                                     const float* __restrict__ norm_w, const float* cs, float eps,
+                                                     bool norm_rope) {
+    constexpr int E = S::E, HALF = S::ROT / 2;
+    const int d0 = threadIdx.x % 32 * E;
     if (norm_rope) {
         float ss = 0.f;
 #pragma unroll
@@ -66,13 +71,23 @@ __device__ __forceinline__ void attention_head_prep(const bf16* __restrict__ src
         *reinterpret_cast<__nv_bfloat162*>(dst + d0 + e) = __floats2bfloat162_rn(x[e], x[e + 1]);
 }
 
-// One token at absolute position `pos`: its NH query heads, NKV key heads and NKV value heads, by warps in turn.
-// `cs` is ROT floats of shared memory.
+// One token at absolute position `pos`: its NH query heads, NKV key heads and NKV value heads (slots, in that
+// order), a warp taking slots warp, warp + WARPS, ... Every slot of the warp is loaded first, so that the loads are
+// in flight while the first ROT/2 threads take the angles. `cs` is ROT floats of shared memory.
 template <class S, int THREADS>
 __device__ void attention_prep(const bf16* __restrict__ qkv_row, const float* __restrict__ q_norm,
                                const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
                                bf16* __restrict__ q_row, bf16* __restrict__ k_row, bf16* __restrict__ v_row,
                                float eps, int pos, float* cs) {
+    constexpr int SLOTS = S::NH + 2 * S::NKV, WARPS = THREADS / 32, PER_WARP = (SLOTS + WARPS - 1) / WARPS;
+    const int warp = threadIdx.x / 32;
+    auto src = [&](int slot) {  // q heads sit beside their gates
+        return slot < S::NH ? qkv_row + slot * 2 * S::HD : qkv_row + S::K_OFF + (slot - S::NH) * S::HD;
+    };
+    float x[PER_WARP][S::E];
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i)
+        if (warp + i * WARPS < SLOTS) attention_head_load<S>(src(warp + i * WARPS), x[i]);
     if (threadIdx.x < S::ROT / 2) {
         double s, c;
         sincos(static_cast<double>(static_cast<float>(pos) * inv_freq[threadIdx.x]), &s, &c);
@@ -80,15 +95,15 @@ __device__ void attention_prep(const bf16* __restrict__ qkv_row, const float* __
         cs[S::ROT / 2 + threadIdx.x] = static_cast<float>(s);
     }
     __syncthreads();
-    for (int slot = threadIdx.x / 32; slot < S::NH + 2 * S::NKV; slot += THREADS / 32) {
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+        const int slot = warp + i * WARPS;
         if (slot < S::NH)
-            attention_head_prep<S>(qkv_row + slot * 2 * S::HD, q_row + slot * S::HD, q_norm, cs, eps, true);
+            attention_head_store<S>(x[i], q_row + slot * S::HD, q_norm, cs, eps, true);
         else if (slot < S::NH + S::NKV)
-            attention_head_prep<S>(qkv_row + S::K_OFF + (slot - S::NH) * S::HD, k_row + (slot - S::NH) * S::HD,
-                                   k_norm, cs, eps, true);
-        else
-            attention_head_prep<S>(qkv_row + S::V_OFF + (slot - S::NH - S::NKV) * S::HD,
-                                   v_row + (slot - S::NH - S::NKV) * S::HD, nullptr, cs, eps, false);
+            attention_head_store<S>(x[i], k_row + (slot - S::NH) * S::HD, k_norm, cs, eps, true);
+        else if (slot < SLOTS)
+            attention_head_store<S>(x[i], v_row + (slot - S::NH - S::NKV) * S::HD, nullptr, cs, eps, false);
     }
 }
 
