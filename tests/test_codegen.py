@@ -7,7 +7,7 @@ import pytest
 
 from lucegen.codegen import nvrtc
 from lucegen.codegen.build import build
-from lucegen.kernels import all_units
+from lucegen.kernels import all_units, attention
 from lucegen.model.config import load_config, tiny_config
 from lucegen.spec import list_specs, load_spec
 
@@ -29,6 +29,17 @@ def test_every_kernel_compiles_for_every_spec(tmp_path, spec_name, model_name):
         assert u.source_path.read_text().startswith("// Rendered by lucegen")
         assert u.cubin_path.read_bytes()[:4] == b"\x7fELF"
     assert (result.directory / "include" / "common.cuh").exists()
+
+
+@pytest.mark.parametrize("model_name", ["qwen3.5-0.8b", "qwen3.5-27b"])
+def test_the_attention_split_over_a_cluster_compiles_for_hopper(tmp_path, model_name):
+    """tuning.prefill.attention_split (no shipped spec takes it: the H200's wgmma attention is faster) still renders,
+    compiles and fits without spilling."""
+    spec, model = load_spec("h200").with_prefill(attention_split=3), load_config(model_name)
+    units = attention.units(spec, model)
+    result = build(spec, model, units, root=tmp_path)
+    assert "attention_prefill_split" in {k.name for k in result.kernels}
+    assert all(k.spill_stores == 0 and k.spill_loads == 0 for k in result.kernels)
 
 
 def test_the_model_shape_is_rendered_into_the_kernels(tmp_path):

@@ -100,8 +100,20 @@ def kernels(spec, tmp_path_factory):
         return SimpleNamespace(
             cfg=cfg, gemm=gemm.Gemm(mods["prefill_gemm.cu.j2"], spec), rows=rows.Rows(mods["prefill_rows.cu.j2"], spec, cfg),
             gdn=gdn.ChunkedDeltaRule(mods["prefill_gdn.cu.j2"], spec, cfg),
-            attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg))
+            attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg), split_attn=lambda: split_attention(cfg))
+
+    def split_attention(cfg):
+        """The attention with a query tile's keys over a cluster of SPLIT blocks, whatever the spec's split; None
+        without clusters (before sm_90)."""
+        if spec.chip.cc < 90:
+            return None
+        s = spec.with_prefill(attention_split=SPLIT)
+        unit, = attention.units(s, cfg)
+        return attention.Attention(build(s, cfg, [unit], root=root).module(unit.name), s, cfg)
     return get
+
+
+SPLIT = 3  # blocks of a cluster sharing a query tile's keys in the attention tests
 
 
 # ---- GEMM --------------------------------------------------------------------------------------------------------
@@ -403,11 +415,12 @@ def test_flash_attention_matches_numpy(kernels, model, T, start, sharp, seed):
     _, gate, _, _ = attention.split_qkv(c, qkv)
     ref = attention.reference(c, q, keys, values, gate)
     dq, dqkv = dev(q), dev(qkv)
-    # a block a query tile (the wgmma kernel where the spec says), and the cluster split
-    for n in sorted({1, attention.splits(k.attn.spec, c, T)}):
+    # a block a query tile (the wgmma kernel where the spec says), and the cluster split where the chip has clusters
+    split = k.split_attn()
+    for attn, n in ((k.attn, 1), *(((split, SPLIT),) if split else ())):
         out = poisoned((T, nh * hd), BF16)
         with mock.patch.object(attention, "splits", lambda *_: n):
-            k.attn.attend(dq, kc, vc, dqkv, out, T, start)
+            attn.attend(dq, kc, vc, dqkv, out, T, start)
         assert rel_err(out.numpy(), ref) < 1e-2, f"{n} blocks a query tile"
 
 
