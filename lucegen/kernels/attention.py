@@ -22,6 +22,11 @@ from .gemm import tiled_map
 BM = 64       # queries per block
 BN = 64       # keys per tile
 THREADS = 128
+
+
+def prep_threads(cfg: ModelConfig) -> int:
+    """Threads of the prep's block (a token): a warp per head vector (q, k and v heads), at most 16 warps."""
+    return 32 * min(cfg.num_attention_heads + 2 * cfg.num_key_value_heads, 16)
 WGMMA_BM, WGMMA_THREADS, WGMMA_STAGES = 128, 384, 2  # attention_wgmma.cuh: a producer and two consumer warpgroups
 
 
@@ -88,10 +93,11 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
     split, wgmma = spec.tuning.prefill.attention_split, spec.tuning.prefill.attention == "wgmma"
     params = {"hd": model.head_dim, "nh": model.num_attention_heads, "nkv": model.num_key_value_heads,
               "rot": model.rotary_dim, "smem": smem(model), "split": split, "wgmma": wgmma,
+              "prep_threads": prep_threads(model),
               "wgmma_smem": wgmma_smem(model)}
     name = f"prefill_attention_h{model.num_attention_heads}x{model.head_dim}_kv{model.num_key_value_heads}"
     attends = ["attention_prefill_causal"] + (["attention_prefill_split"] if split > 1 else [])
-    sigs = [KernelSig("attention_prep_tokens", THREADS),
+    sigs = [KernelSig("attention_prep_tokens", prep_threads(model)),
             *(KernelSig(k, THREADS, dynamic_smem=smem(model)) for k in attends)]
     if wgmma:
         sigs.append(KernelSig("attention_prefill_wgmma", WGMMA_THREADS, dynamic_smem=wgmma_smem(model)))
@@ -126,8 +132,8 @@ class Attention:
         self.inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg.rotary_dim, cfg.rope_theta).astype(np.float32))
 
     def prep(self, qkv, q_norm, k_norm, q, k_cache, v_cache, T: int, start: int, stream=None) -> None:
-        self._prep(T, THREADS, qkv, q_norm, k_norm, self.inv_freq, q, k_cache, v_cache, float(self.cfg.rms_norm_eps),
-                   start, stream=stream)
+        self._prep(T, prep_threads(self.cfg), qkv, q_norm, k_norm, self.inv_freq, q, k_cache, v_cache,
+                   float(self.cfg.rms_norm_eps), start, stream=stream)
 
     def attend(self, q, k_cache, v_cache, qkv, out, T: int, start: int, stream=None) -> None:
         c, n = self.cfg, splits(self.spec, self.cfg, T)

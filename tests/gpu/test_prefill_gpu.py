@@ -588,7 +588,8 @@ def test_decode_continues_the_prefill(engine, spec, model, T, monkeypatch):
     cfg, w = MODELS[model](), model_weights(model)
     ids = np.random.default_rng(T + 1).integers(0, cfg.vocab_size, T + 2)
     with on_host(monkeypatch):
-        host = spec.with_prefill(gemm="mma", split_k=1)  # the host kernels stand in for mma.sync's launches
+        # the host kernels stand in for mma.sync's launches (wgmma's take tensor maps of device memory)
+        host = spec.with_prefill(gemm="mma", split_k=1, attention="mma")
         emulated = continuation_errors(lambda: Prefill(host, cfg), lambda w: DeviceWeights.upload(cfg, host, w),
                                        cfg, w, ids, T)
     prefill, weights = engine(model)
