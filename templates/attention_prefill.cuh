@@ -81,7 +81,7 @@ __device__ void attention_prep(const bf16* __restrict__ qkv_row, const float* __
                                float eps, int pos, float* cs) {
     constexpr int SLOTS = S::NH + 2 * S::NKV, WARPS = THREADS / 32, PER_WARP = (SLOTS + WARPS - 1) / WARPS;
     const int warp = threadIdx.x / 32;
-    auto src = [&](int slot) {  // q heads sit beside their gates
+    auto src = [&](int slot) {  // q heads sit beside their gates; the k heads, then the v heads, from K_OFF on
         return slot < S::NH ? qkv_row + slot * 2 * S::HD : qkv_row + S::K_OFF + (slot - S::NH) * S::HD;
     };
     float x[PER_WARP][S::E];
