@@ -22,12 +22,12 @@ from .gemm import tiled_map
 BM = 64       # queries per block
 BN = 64       # keys per tile
 THREADS = 128
+WGMMA_BM, WGMMA_THREADS, WGMMA_STAGES = 128, 384, 2  # attention_wgmma.cuh: a producer and two consumer warpgroups
 
 
 def prep_threads(cfg: ModelConfig) -> int:
     """Threads of the prep's block (a token): a warp per head vector (q, k and v heads), at most 16 warps."""
     return 32 * min(cfg.num_attention_heads + 2 * cfg.num_key_value_heads, 16)
-WGMMA_BM, WGMMA_THREADS, WGMMA_STAGES = 128, 384, 2  # attention_wgmma.cuh: a producer and two consumer warpgroups
 
 
 def split_qkv(cfg: ModelConfig, qkv: np.ndarray):

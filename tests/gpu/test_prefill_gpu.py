@@ -100,14 +100,16 @@ def kernels(spec, tmp_path_factory):
         return SimpleNamespace(
             cfg=cfg, gemm=gemm.Gemm(mods["prefill_gemm.cu.j2"], spec), rows=rows.Rows(mods["prefill_rows.cu.j2"], spec, cfg),
             gdn=gdn.ChunkedDeltaRule(mods["prefill_gdn.cu.j2"], spec, cfg),
-            attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg), split_attn=lambda: split_attention(cfg))
+            attn=attention.Attention(mods["prefill_attention.cu.j2"], spec, cfg),
+            split_attn=lambda: split_attention(name))
 
-    def split_attention(cfg):
+    @cache
+    def split_attention(name: str):
         """The attention with a query tile's keys over a cluster of SPLIT blocks, whatever the spec's split; None
         without clusters (before sm_90)."""
         if spec.chip.cc < 90:
             return None
-        s = spec.with_prefill(attention_split=SPLIT)
+        cfg, s = MODELS[name](), spec.with_prefill(attention_split=SPLIT)
         unit, = attention.units(s, cfg)
         return attention.Attention(build(s, cfg, [unit], root=root).module(unit.name), s, cfg)
     return get
