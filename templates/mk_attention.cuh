@@ -61,17 +61,25 @@ __device__ __forceinline__ void attention_prefetch(const AttentionLayer& L, int 
     prefetch_l2(L.values + kv_offset<M>(0, first), bytes);
 }
 
-// RMSNorm (zero-centred weight) of a head_dim vector from global memory into shared memory, by one warp.
+// RMSNorm (zero-centred weight) of a head_dim vector from global memory into shared memory, by one warp: one
+// round trip (the vector stays in registers between the sum and the scaling).
 template <int HD>
 __device__ __forceinline__ void head_rmsnorm(const float* x, const float* w, float eps, float* y) {
+    constexpr int PER_LANE = (HD + 31) / 32;
     const int lane = threadIdx.x % 32;
-    float ss = 0.f;
-    for (int d = lane; d < HD; d += 32) {
-        const float v = load_coherent(x + d);
-        ss += v * v;
+    float v[PER_LANE], ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        const int d = lane + 32 * u;
+        v[u] = d < HD ? load_coherent(x + d) : 0.f;
+        ss += v[u] * v[u];
     }
     const float rstd = rsqrtf(warp_sum(ss) / HD + eps);
-    for (int d = lane; d < HD; d += 32) y[d] = load_coherent(x + d) * rstd * (1.f + w[d]);
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        const int d = lane + 32 * u;
+        if (d < HD) y[d] = v[u] * rstd * (1.f + w[d]);
+    }
 }
 
 // Rotates dims [0, ROT) of x in place (half-split pairs i, i + ROT/2); multiplies every dim by `scale`.
@@ -107,10 +115,13 @@ constexpr int attention_work_floats() {
 }
 
 // The last item of kv head g to finish: the log-sum-exp weights of the n_chunks partials per head (warp h), then
-// the merged, gated outputs. Out of line: one block per kv head runs it, and its registers stay its own.
+// the merged, gated outputs. The partials' loads are issued a batch at a time, in flight together (a loop over a
+// run-time count would wait a round trip per partial), and added in chunk order. Out of line: one block per kv head
+// runs it, and its registers stay its own.
 template <class M, int THREADS>
 __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, float* work) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32;
+    constexpr int LANE_BATCH = 2, BATCH = 8;    // a lane's (max, sum) pairs and a thread's partials per round trip
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
     float* wgt = work;                    // [max_chunks][G] partial weights
@@ -118,14 +129,34 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     if (warp < G) {
         const float* ml = L.part_ml + (size_t)g * max_chunks * G * 2;
         float mx = -__int_as_float(0x7f800000);
-        for (int i = lane; i < n_chunks; i += 32) mx = fmaxf(mx, __ldcg(ml + (i * G + warp) * 2));
+        for (int i0 = lane; i0 < n_chunks; i0 += 32 * LANE_BATCH) {
+            float m[LANE_BATCH];
+#pragma unroll
+            for (int j = 0; j < LANE_BATCH; ++j) {
+                const int i = i0 + 32 * j;
+                m[j] = i < n_chunks ? __ldcg(ml + (i * G + warp) * 2) : -__int_as_float(0x7f800000);
+            }
+#pragma unroll
+            for (int j = 0; j < LANE_BATCH; ++j) mx = fmaxf(mx, m[j]);
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float s = 0.f;
-        for (int i = lane; i < n_chunks; i += 32) {
-            const float w = __expf(__ldcg(ml + (i * G + warp) * 2) - mx);
-            wgt[i * G + warp] = w;
-            s += w * __ldcg(ml + (i * G + warp) * 2 + 1);
+        for (int i0 = lane; i0 < n_chunks; i0 += 32 * LANE_BATCH) {
+            float2 m[LANE_BATCH];
+#pragma unroll
+            for (int j = 0; j < LANE_BATCH; ++j) {
+                const int i = i0 + 32 * j;
+                if (i < n_chunks) m[j] = __ldcg(reinterpret_cast<const float2*>(ml) + i * G + warp);
+            }
+#pragma unroll
+            for (int j = 0; j < LANE_BATCH; ++j) {
+                const int i = i0 + 32 * j;
+                if (i >= n_chunks) break;
+                const float w = __expf(m[j].x - mx);
+                wgt[i * G + warp] = w;
+                s += w * m[j].y;
+            }
         }
         s = warp_sum(s);
         if (lane == 0) total[warp] = s;
@@ -133,11 +164,18 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     __syncthreads();
     for (int e = threadIdx.x; e < G * HD; e += THREADS) {
         const int h = e / HD, d = e % HD;
-        float a = 0.f;
-#pragma unroll 8  // the partials' L2 loads in flight together, added in order
-        for (int i = 0; i < n_chunks; ++i)
-            a += wgt[i * G + h] * __ldcg(L.part_acc + (((size_t)g * max_chunks + i) * G + h) * HD + d);
         const float gate = load_coherent(L.qkv + (size_t)(g * G + h) * 2 * HD + HD + d);
+        float a = 0.f;
+        for (int i0 = 0; i0 < n_chunks; i0 += BATCH) {
+            float part[BATCH];
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j)
+                part[j] = i0 + j < n_chunks
+                        ? __ldcg(L.part_acc + (((size_t)g * max_chunks + i0 + j) * G + h) * HD + d) : 0.f;
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j)
+                if (i0 + j < n_chunks) a += wgt[(i0 + j) * G + h] * part[j];
+        }
         L.out[(g * G + h) * HD + d] = a / total[h] * sigmoid(gate);
     }
     static_assert(G <= WARPS, "one warp per head");
@@ -148,12 +186,18 @@ struct SequenceRows {
     __device__ __forceinline__ int operator()(int p) const { return p; }
 };
 
+// Waits for nothing: the item's inputs are written before it starts.
+struct NoWait {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 // One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge. The query at
 // `pos` attends positions 0 .. pos, read from cache rows rows(p). With writes_kv the item holding pos first writes
-// this token's K and V to row pos; without, they are in the cache already (a tree verify wrote them).
-template <class M, int THREADS, class Rows = SequenceRows>
+// this token's K and V to row pos; without, they are in the cache already (a tree verify wrote them). wait()
+// (block-wide) returns once the item's in-projection rows are written; the RoPE angles are worked out before it.
+template <class M, int THREADS, class Rows = SequenceRows, class Wait = NoWait>
 __device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows = {},
-                               bool writes_kv = true) {
+                               bool writes_kv = true, Wait wait = {}) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
     constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
     static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
@@ -178,6 +222,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
         cs[i] = t.x;
         sn[i] = t.y;
     }
+    wait();
     const float* qkv_k = L.qkv + 2 * M::ATT_NH * HD + g * HD;
     const float* qkv_v = L.qkv + 2 * M::ATT_NH * HD + M::ATT_NKV * HD + g * HD;
     const bool holds_pos = writes_kv && last == n;

@@ -377,8 +377,8 @@ struct Decoder {
             for (int i = blockIdx.x; i < items; i += gridDim.x) {
                 int2 rows[3];
                 attention_reads<M>(i / chunks, rows);
-                wait_rows(M::ATT_IN_ROWS, rows);
-                attention_item<M, THREADS>(L, i, pos, work, flag);
+                attention_item<M, THREADS>(L, i, pos, work, flag, SequenceRows{}, true,
+                                           [&] { wait_rows(M::ATT_IN_ROWS, rows); });
                 __syncthreads();
             }
         } else {
@@ -388,8 +388,8 @@ struct Decoder {
             for (int i = blockIdx.x; i < REC_ITEMS; i += gridDim.x) {
                 int2 rows[5];
                 deltanet_reads<M>(i / SLICES, i % SLICES, rows);
-                wait_rows(M::LIN_IN_ROWS, rows);
-                deltanet_item<M, THREADS>(L, i / SLICES, i % SLICES, pos, work);
+                deltanet_item<M, THREADS>(L, i / SLICES, i % SLICES, pos, work,
+                                          [&] { wait_rows(M::LIN_IN_ROWS, rows); });
                 __syncthreads();
             }
         }

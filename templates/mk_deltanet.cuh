@@ -129,37 +129,75 @@ __device__ __forceinline__ float deltanet_sum_squares(const float* x) {
     return warp_sum(ss);
 }
 
-// The l2norm scales (from the sums of squares of q and k) and the gates of value head vh for one token.
+// The l2norm scales (from the sums of squares of q and k) and the gates of value head vh for one token, from the
+// token's raw beta and decay inputs (its in-projection's b and a rows) and the head's A_log and dt_bias.
+template <class M>
+__device__ __forceinline__ DeltaNetGates deltanet_gates_of(float b, float a, float a_log, float dt_bias, float q_sum,
+                                                           float k_sum) {
+    DeltaNetGates gt;
+    gt.q_scale = rsqrtf(q_sum + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
+    gt.k_scale = rsqrtf(k_sum + 1e-6f);
+    gt.beta = sigmoid(b);
+    gt.decay = __expf(-__expf(a_log) * softplus(a + dt_bias));
+    return gt;
+}
+
+// The same, reading b and a from the token's in-projection row `mixed`.
 template <class M>
 __device__ __forceinline__ DeltaNetGates deltanet_gates(const float* mixed, const float* a_log, const float* dt_bias,
                                                         int vh, float q_sum, float k_sum) {
     constexpr int C = M::LIN_CONV_DIM;
-    DeltaNetGates gt;
-    gt.q_scale = rsqrtf(q_sum + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
-    gt.k_scale = rsqrtf(k_sum + 1e-6f);
-    gt.beta = sigmoid(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh));
-    const float g = -__expf(a_log[vh]) * softplus(load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh) +
-                                                  dt_bias[vh]);
-    gt.decay = __expf(g);
-    return gt;
+    return deltanet_gates_of<M>(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh),
+                                load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh), a_log[vh], dt_bias[vh],
+                                q_sum, k_sum);
 }
 
 // One token's front for an item: conv + SiLU of the channels it reads (q and k of key head kh, the SLICE value
-// channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. seen(c, ch, x) is told
-// every raw input of this token.
-template <class M, int THREADS, class Window, class Seen>
+// channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. window(ch, t) points at
+// the raw input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence;
+// seen(c, ch, x) is told every raw input of this token. What does not depend on this token's in-projection (the
+// windows, the conv weights, the gates' parameters) is loaded first; then wait() (block-wide) waits for the
+// in-projection's rows, so those loads' latency runs under the wait, and the token's inputs and its b and a are
+// read in one round trip.
+template <class M, int THREADS, class Window, class Seen, class Wait>
 __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, const float* conv_w, const float* a_log,
                                                         const float* dt_bias, int vh, int j0, float* work,
-                                                        Window window, Seen seen) {
-    constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE;
+                                                        Window window, Seen seen, Wait wait) {
+    constexpr int DK = M::LIN_DK, SLICE = M::LIN_SLICE, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM;
+    constexpr int CHANNELS = 2 * DK + SLICE, PER_THREAD = (CHANNELS + THREADS - 1) / THREADS;
     const int warp = threadIdx.x / 32, kh = deltanet_key_head<M>(vh);
     float* qk = work;             // [2 dk]: q then k after conv + SiLU
     float* v = work + 2 * DK;     // [SLICE]
     float* sums = v + SLICE;      // [2]: sum of squares of q and of k
-    for (int c = threadIdx.x; c < 2 * DK + SLICE; c += THREADS) {
+    if (warp < 3) {  // the conv weights of the q, k and value channel runs, asked of L2
+        const int first = deltanet_channel<M>(warp * DK, kh, vh, j0), count = warp < 2 ? DK : SLICE;
+        prefetch_l2(conv_w + (size_t)first * K, sizeof(float) * count * K);
+    }
+    float past[PER_THREAD][K - 1];  // this thread's channels' window inputs
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int ch = deltanet_channel<M>(min(static_cast<int>(threadIdx.x) + u * THREADS, CHANNELS - 1), kh, vh, j0);
+#pragma unroll
+        for (int t = 0; t < K - 1; ++t) {
+            const float* y = window(ch, t);
+            past[u][t] = y ? load_coherent(y) : 0.f;
+        }
+    }
+    const float head_a_log = a_log[vh], head_dt_bias = dt_bias[vh];
+    wait();
+    const float b = load_coherent(mixed + C + M::LIN_VALUE_DIM + vh);
+    const float a = load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh);
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int c = threadIdx.x + u * THREADS;
+        if (c >= CHANNELS) break;
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
         const float x = load_coherent(mixed + ch);
-        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = deltanet_conv<M>(conv_w, ch, x, window);
+        float acc = conv_w[ch * K + K - 1] * x;  // deltanet_conv's order
+#pragma unroll
+        for (int t = 0; t < K - 1; ++t)
+            if (window(ch, t)) acc += conv_w[ch * K + t] * past[u][t];
+        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = silu(acc);
         seen(c, ch, x);
     }
     __syncthreads();
@@ -168,7 +206,7 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
         if (threadIdx.x % 32 == 0) sums[warp] = ss;
     }
     __syncthreads();
-    return deltanet_gates<M>(mixed, a_log, dt_bias, vh, sums[0], sums[1]);
+    return deltanet_gates_of<M>(b, a, head_a_log, head_dt_bias, sums[0], sums[1]);
 }
 
 // The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
@@ -211,14 +249,16 @@ __device__ __forceinline__ void deltanet_update(
 
 // One decode work item, by one block: the token at `pos` reads its window from the conv ring and writes its raw
 // inputs there; the state slice is read and written in place. `work` holds 2 dk + SLICE + 2 floats of shared memory.
-template <class M, int THREADS>
-__device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos, float* work) {
+// wait() (block-wide) returns once the item's in-projection rows are written: the state slice and the conv window
+// are loaded before it.
+template <class M, int THREADS, class Wait>
+__device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos, float* work, Wait wait) {
     constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM;
     using P = DeltaNetSplit<M, THREADS>;
     const int j0 = slice * M::LIN_SLICE;
     float* state = L.state + ((size_t)vh * DV + j0) * DK;
     float S[P::WARP_COLS][P::LANE_ROWS];
-    deltanet_load_state<M, THREADS>(S, state, pos > 0);  // first: the latency overlaps the convolution
+    deltanet_load_state<M, THREADS>(S, state, pos > 0);  // first: the latency overlaps the wait and the convolution
     const auto window = [&](int ch, int t) -> const float* {
         const int p = pos - (K - 1) + t;
         return p < 0 ? nullptr : L.conv_ring + (size_t)(p % K) * C + ch;
@@ -227,7 +267,7 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
         if (deltanet_writes_channel<M>(c, vh, slice)) L.conv_ring[(size_t)(pos % K) * C + ch] = x;
     };
     const DeltaNetGates gt = deltanet_front<M, THREADS>(L.mixed, L.conv_w, L.a_log, L.dt_bias, vh, j0, work, window,
-                                                        seen);
+                                                        seen, wait);
     deltanet_update<M, THREADS, true>(S, work, gt, state, L.out + vh * DV + j0);
 }
 

@@ -160,7 +160,9 @@ class Layout:
         # work split of the recurrence (value columns per item) and of attention (fewest positions per item)
         Hv, dv, dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
         self.dn_slice = dv // _divisor_at_most(dv, self.blocks // Hv)
-        self.att_min_chunk = 2 * self.warps
+        # an attention item covers at least what its warps read in one round (a head's warps, 2 rows each: the
+        # loop's rows in flight together, mk_attention.cuh), so a short context is one round trip, over more items
+        self.att_min_chunk = 2 * (self.warps // self.group)
         if self.group + 2 > self.warps:
             raise LayoutError(f"{cfg.name}: {self.group} query heads per kv head need {self.group + 2} warps per block;"
                               f" the spec gives {self.warps}")
