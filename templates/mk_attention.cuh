@@ -115,48 +115,29 @@ constexpr int attention_work_floats() {
 }
 
 // The last item of kv head g to finish: the log-sum-exp weights of the n_chunks partials per head (warp h), then
-// the merged, gated outputs. The partials' loads are issued a batch at a time, in flight together (a loop over a
-// run-time count would wait a round trip per partial), and added in chunk order. Out of line: one block per kv head
+// the merged, gated outputs. A thread's partials are loaded a batch at a time, in flight together (a loop over a
+// run-time count waits a round trip per partial), and added in chunk order. Out of line: one block per kv head
 // runs it, and its registers stay its own.
 template <class M, int THREADS>
 __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, float* work) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32;
-    constexpr int LANE_BATCH = 2, BATCH = 8;    // a lane's (max, sum) pairs and a thread's partials per round trip
+    constexpr int BATCH = 8;  // a thread's partials in flight together (more spill the 27B's kernel)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
     float* wgt = work;                    // [max_chunks][G] partial weights
     float* total = wgt + max_chunks * G;  // [G] their sums
     if (warp < G) {
-        const float* ml = L.part_ml + (size_t)g * max_chunks * G * 2;
+        const float2* ml = reinterpret_cast<const float2*>(L.part_ml) + (size_t)g * max_chunks * G;  // (max, sum)
         float mx = -__int_as_float(0x7f800000);
-        for (int i0 = lane; i0 < n_chunks; i0 += 32 * LANE_BATCH) {
-            float m[LANE_BATCH];
-#pragma unroll
-            for (int j = 0; j < LANE_BATCH; ++j) {
-                const int i = i0 + 32 * j;
-                m[j] = i < n_chunks ? __ldcg(ml + (i * G + warp) * 2) : -__int_as_float(0x7f800000);
-            }
-#pragma unroll
-            for (int j = 0; j < LANE_BATCH; ++j) mx = fmaxf(mx, m[j]);
-        }
+        for (int i = lane; i < n_chunks; i += 32) mx = fmaxf(mx, __ldcg(&ml[i * G + warp].x));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float s = 0.f;
-        for (int i0 = lane; i0 < n_chunks; i0 += 32 * LANE_BATCH) {
-            float2 m[LANE_BATCH];
-#pragma unroll
-            for (int j = 0; j < LANE_BATCH; ++j) {
-                const int i = i0 + 32 * j;
-                if (i < n_chunks) m[j] = __ldcg(reinterpret_cast<const float2*>(ml) + i * G + warp);
-            }
-#pragma unroll
-            for (int j = 0; j < LANE_BATCH; ++j) {
-                const int i = i0 + 32 * j;
-                if (i >= n_chunks) break;
-                const float w = __expf(m[j].x - mx);
-                wgt[i * G + warp] = w;
-                s += w * m[j].y;
-            }
+        for (int i = lane; i < n_chunks; i += 32) {
+            const float2 m = __ldcg(ml + i * G + warp);
+            const float w = __expf(m.x - mx);
+            wgt[i * G + warp] = w;
+            s += w * m.y;
         }
         s = warp_sum(s);
         if (lane == 0) total[warp] = s;
