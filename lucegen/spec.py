@@ -115,6 +115,8 @@ class MegakernelTuning:
     threads: int
     prefetch_distance: int = 1  # phases ahead whose state, KV and norm weights idle blocks pull into L2
     weight_prefetch_tiles: int = 0  # weight tiles beyond the ring's that each block asks L2 for
+    barrier_tiles: int = 0  # weight tiles a block issues into its ring while it waits at a grid barrier (0: all it has
+                            # free slots for)
     model_threads: tuple[ModelThreads, ...] = ()  # models whose megakernel (and tree attention) takes other threads
 
     def threads_for(self, model: str) -> int:
@@ -357,6 +359,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.megakernel.prefetch_distance", "must be >= 0")
     if mk.weight_prefetch_tiles < 0:
         _fail(source, "tuning.megakernel.weight_prefetch_tiles", "must be >= 0")
+    if mk.barrier_tiles < 0:
+        _fail(source, "tuning.megakernel.barrier_tiles", "must be >= 0 (0: no cap)")
     _check_launch(spec, source, "tuning.norm", t.norm.threads, t.norm.blocks)
     _check_launch(spec, source, "tuning.argmax", t.argmax.threads, t.argmax.blocks)
     _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)
