@@ -4,19 +4,19 @@
     python3 tools/prefill_ab.py --trees /tmp/main . --model qwen3.5-0.8b --tokens 520 --rounds 3 [--split-k 5]
         [--force add=wt176x192]
 
-A tree is a checkout (or an unpacked `git archive`) with lucegen/, templates/ and specs/. Prints one JSON line a
-process (tree, graph microseconds per replay set, kernels by kind) and a summary of the medians. Session 16's
+Trees as tools/ab.py takes them. Prints one JSON line a process (tree, graph microseconds per replay set, kernels by
+kind) and a summary of the medians. Session 16's
 A/B runs (results/logs/h200-s16-run1..3-*) were made this way.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from ab import alternate
 
 
 def measure(model: str, tokens: int, replays: int, split_k: int | None, force: dict[str, str]) -> dict:
@@ -74,21 +74,14 @@ def main() -> int:
     if a.child:
         print(json.dumps(measure(a.model, a.tokens, a.replays, a.split_k, dict(f.split("=") for f in a.force))))
         return 0
-    results: dict[str, list[float]] = {}
-    for _ in range(a.rounds):
-        for tree in a.trees:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tree).resolve()),
-                                                                              os.environ.get("PYTHONPATH")]))}
-            args = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", str(a.tokens),
-                    "--replays", str(a.replays), *(["--split-k", str(a.split_k)] if a.split_k else []),
-                    *(arg for f in a.force for arg in ("--force", f))]
-            proc = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                print(f"{tree}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                return 1
-            line = proc.stdout.strip().splitlines()[-1]
-            print(line)
-            results.setdefault(tree, []).extend(json.loads(line)["graph_us"])
+    args = ["--model", a.model, "--tokens", str(a.tokens), "--replays", str(a.replays),
+            *(["--split-k", str(a.split_k)] if a.split_k else []), *(arg for f in a.force for arg in ("--force", f))]
+    try:
+        runs = alternate(__file__, a.trees, a.rounds, args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    results = {tree: [us for r in rs for us in r["graph_us"]] for tree, rs in runs.items()}
     for tree, times in results.items():
         print(f"{tree}: {a.model} pp{a.tokens} graph median {statistics.median(times):.1f} us "
               f"({min(times):.1f} .. {max(times):.1f}, {len(times)} replays)")

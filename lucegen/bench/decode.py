@@ -56,22 +56,35 @@ def kind_bytes(layout: Layout) -> dict[str, int]:
     return out
 
 
-def timeline(setup: "Setup", tokens: list[int], stream: Stream, rec: Recorder) -> None:
+def tg_ms(engine: DecodeEngine, token: int, stream: Stream) -> float:
+    """tg128: milliseconds of one launch of TG steps from `token`, the argmax fed back on the device (a median)."""
+    return median_ms(lambda s: engine.enqueue([token], TG - 1, stream=s), stream, repeat=7)
+
+
+def traced(setup: "Setup", tokens: list[int], stream: Stream) -> tuple[dict, float, float, float]:
     """One traced launch over `tokens` (forced) of the kernel built with its stamps (same weights), after untraced
-    ones: per phase kind, where its time goes; the traced build's time a token beside the plain build's."""
+    ones: ({kind: KindTime} on the critical path, us a token traced, us a token of the plain build and of the
+    traced build untraced)."""
     engine = DecodeEngine(None, setup.cfg, setup.spec, max_context=setup.engine.max_context, traced=True)
     lay = engine.kernel.layout
     trace = DeviceArray.zeros(engine.kernel.trace_size(len(tokens)), np.uint64)
     plain = median_ms(lambda s: setup.engine.enqueue(tokens, stream=s), stream, repeat=5) * 1e3 / len(tokens)
-    traced = median_ms(lambda s: engine.enqueue(tokens, stream=s), stream, repeat=5) * 1e3 / len(tokens)
+    stamped = median_ms(lambda s: engine.enqueue(tokens, stream=s), stream, repeat=5) * 1e3 / len(tokens)
     engine.enqueue(tokens, stream=stream, trace=trace)
     stream.synchronize()
     engine.free()
-    print(f"\n  {len(tokens)} forced tokens: {plain:.1f} us a token, {traced:.1f} with the stamps compiled in")
     a = trace.numpy().reshape(len(tokens), lay.phases_per_token(), lay.blocks, len(TRACE_FIELDS))
     trace.free()
-    kinds = [lay.phase_kind(k) for k in range(lay.phases_per_token())]
-    times, per_token = analyse(a, kinds, lay.slots)
+    times, per_token = analyse(a, [lay.phase_kind(k) for k in range(lay.phases_per_token())], lay.slots)
+    return times, per_token, plain, stamped
+
+
+def timeline(setup: "Setup", tokens: list[int], stream: Stream, rec: Recorder) -> None:
+    """The traced launch (traced()): per phase kind, where its time goes; the traced build's time a token beside the
+    plain build's."""
+    times, per_token, plain, stamped = traced(setup, tokens, stream)
+    lay = setup.engine.kernel.layout
+    print(f"\n  {len(tokens)} forced tokens: {plain:.1f} us a token, {stamped:.1f} with the stamps compiled in")
     moved = kind_bytes(lay)
     print(f"\n  timeline of one traced launch ({len(tokens)} forced tokens, the first left out): {per_token:.1f} us "
           f"a token; per phase kind, us a token on the critical path (the last block of each phase)")
@@ -137,8 +150,7 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
     def launch_ms(tokens, n_new=0, **kw) -> float:
         return median_ms(lambda s: engine.enqueue(tokens, n_new, stream=s, **kw), stream, repeat=7)
 
-    # tg128: one launch of 128 steps, the tokens fed back on the device
-    ms = launch_ms([int(rng.integers(cfg.vocab_size))], TG - 1)
+    ms = tg_ms(engine, int(rng.integers(cfg.vocab_size)), stream)
     tok_s = TG / (ms * 1e-3)
     gbs = per_token * tok_s / 1e9
     rec.record("tg128_tok_s", name, tok_s, "tok/s", limit, ms_per_token=round(ms / TG, 4),
