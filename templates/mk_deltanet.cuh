@@ -107,15 +107,17 @@ __device__ __forceinline__ void deltanet_load_state(
         }
 }
 
-// Causal depthwise conv + SiLU of conv channel ch for one token, its raw input x. window(ch, t) points at the raw
-// input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence.
-template <class M, class Window>
-__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Window window) {
+// Causal depthwise conv + SiLU of conv channel ch for one token, its raw input x. past(t, y) sets y to the raw
+// input of channel ch at the t-th oldest position of the window (t < K-1) and returns true, or returns false before
+// the sequence.
+template <class M, class Past>
+__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Past past) {
     constexpr int K = M::LIN_CONV_K;
     float acc = conv_w[ch * K + K - 1] * x;
 #pragma unroll
     for (int t = 0; t < K - 1; ++t) {
-        if (const float* y = window(ch, t)) acc += conv_w[ch * K + t] * load_coherent(y);
+        float y;
+        if (past(t, y)) acc += conv_w[ch * K + t] * y;
     }
     return silu(acc);
 }
@@ -193,11 +195,10 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
         if (c >= CHANNELS) break;
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
         const float x = load_coherent(mixed + ch);
-        float acc = conv_w[ch * K + K - 1] * x;  // deltanet_conv's order
-#pragma unroll
-        for (int t = 0; t < K - 1; ++t)
-            if (window(ch, t)) acc += conv_w[ch * K + t] * past[u][t];
-        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = silu(acc);
+        (c < 2 * DK ? qk[c] : v[c - 2 * DK]) = deltanet_conv<M>(conv_w, ch, x, [&](int t, float& y) {
+            y = past[u][t];
+            return window(ch, t) != nullptr;
+        });
         seen(c, ch, x);
     }
     __syncthreads();

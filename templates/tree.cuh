@@ -116,7 +116,11 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
                              : T.conv_ring + (size_t)(-2 - src) * C + ch;
         };
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
-        fronts[e] = deltanet_conv<M>(T.conv_w, ch, load_coherent(row + ch), from_window);
+        fronts[e] = deltanet_conv<M>(T.conv_w, ch, load_coherent(row + ch), [&](int t, float& y) {
+            const float* p = from_window(ch, t);
+            if (p) y = load_coherent(p);
+            return p != nullptr;
+        });
     }
     __syncthreads();
     for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
