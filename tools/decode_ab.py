@@ -6,7 +6,8 @@ the wall time on the critical path and its parts (barrier exit, staging, GEMV, t
     python3 tools/decode_ab.py --trees /tmp/main . --rounds 2 [--trace] [--model qwen3.5-0.8b]
 
 Prints one JSON line a process and a summary: each tree's median us a token, and with --trace the per-kind walls
-averaged over its processes. Session 19's megakernel A/Bs (results/logs/h200-s19-run3..6-*) were made this way.
+averaged over its processes. The child measures with the tree's own bench/decode.py (tg_ms, traced: trees from
+e36a867 on). Session 19's megakernel A/Bs (results/logs/h200-s19-run3..6-*) were made with its lab predecessor.
 """
 from __future__ import annotations
 
