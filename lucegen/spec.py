@@ -94,6 +94,9 @@ class QGemvTuning:
                                                # decode GEMV and the verify GEMM in one batch-invariant kernel)
     min_blocks: int = 2       # the GEMV's blocks an SM at least (__launch_bounds__): more cap its registers, for more
                               # warps (loads in flight) an SM
+    bulk_stages: int = 0      # > 0: the GEMV on bulk copies (sm_90+; qgemv.cuh's qgemv_bulk), a ring of this many
+    bulk_warps: int = 8       # tiles of bulk_warps rows a block, each tile as many slices of them as leave room
+    bulk_blocks: int = 2      # for bulk_blocks blocks an SM; 0: the GEMV above
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,12 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if not 1 <= t.qgemv.min_blocks <= c.max_threads_per_sm // t.qgemv.threads:
         _fail(source, "tuning.qgemv.min_blocks", f"{t.qgemv.min_blocks} must be between 1 and "
               f"{c.max_threads_per_sm // t.qgemv.threads} (blocks of {t.qgemv.threads} threads an SM)")
+    if t.qgemv.bulk_stages and not 2 <= t.qgemv.bulk_stages <= 8:
+        _fail(source, "tuning.qgemv.bulk_stages", f"{t.qgemv.bulk_stages}: the bulk GEMV takes 2 to 8 stages (0: "
+              f"no bulk GEMV)")
+    if not 1 <= t.qgemv.bulk_warps <= 32 or not 1 <= t.qgemv.bulk_blocks <= 8:
+        _fail(source, "tuning.qgemv", f"bulk_warps {t.qgemv.bulk_warps} must be between 1 and 32 and bulk_blocks "
+              f"{t.qgemv.bulk_blocks} between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
     if unknown := set(t.qgemv.tensor_core_formats) - set(TENSOR_CORE_FORMATS):
@@ -419,6 +428,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
                      *((f"tuning.prefill.model_pdl[{i}].pdl", m.pdl) for i, m in enumerate(t.prefill.model_pdl))):
         if pdl and c.cc < 90:
             _fail(source, key, f"programmatic dependent launch needs sm_90 or newer; this chip is {c.arch}")
+    if t.qgemv.bulk_stages and c.cc < 90:
+        _fail(source, "tuning.qgemv.bulk_stages", f"bulk copies need sm_90 or newer; this chip is {c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.prefill.attention not in GEMM_METHODS:

@@ -26,6 +26,7 @@
 // row's last byte, and the ring copies a slice widened to the 16-byte words around it (up to 15 bytes of the
 // neighbouring rows, from L2), so W must be readable to the next 16-byte boundary after its last byte.
 #pragma once
+#include "bulk.cuh"
 #include "mma.cuh"
 #include "quant.cuh"
 
@@ -175,6 +176,102 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
             if (lane == 0 && j < nrows && m < mv) y[(long long)(m0 + m) * N + r0 + j] = v;
         }
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// The GEMV (M = 1) with the weights streamed by the copy engine, as gemv.cuh's gemv_bf16_bulk: a block owns a
+// contiguous range of rows, in groups of WARPS rows (warp w multiplies row w of each group), and pulls each group
+// through a ring of STAGES shared-memory tiles of SPAN slices of its rows (one bulk copy a row and tile, from the
+// 16-byte word holding its first byte). The lanes decode as qgemm's (lane l: piece l of every slice, in order), so
+// the bits are qgemm's. The activations' XBlocks are copied into shared memory once a block: a warp's 48-byte
+// strided XBlock loads take 12 L1 wavefronts each from global memory, 4 from shared (measured: faster than
+// through L1 in this kernel, results/logs/h200-s20-run4-qgemv-bulk.txt). The weights' copies are issued before the
+// wait for the kernel before (programmatic launch), the activations' after it.
+template <class F, int K, int WARPS, int SPAN, int STAGES>
+struct QGemvBulk {
+    using Q = QGemm<F, K, 1, 1, 1, 0, 32 * WARPS>;
+    static constexpr int CHUNKS = (Q::SLICES + SPAN - 1) / SPAN;                 // tiles a row group
+    static constexpr int ROW_SLOT = (SPAN * Q::SLICE_BYTES + 15 + 15) / 16 * 16;  // a row's slices, widened
+    static constexpr int TILE = WARPS * ROW_SLOT;
+    static constexpr int X_BYTES = static_cast<int>(Q::X_ROW_BYTES);
+    static constexpr int SMEM = STAGES * TILE + X_BYTES + 8 * (STAGES + 1);      // tiles, x, mbarriers
+};
+
+template <class F, int K, int WARPS, int SPAN, int STAGES>
+__device__ void qgemv_bulk(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
+                           float* __restrict__ y, int N, unsigned char* smem) {
+    using B = QGemvBulk<F, K, WARPS, SPAN, STAGES>;
+    using Q = typename B::Q;
+    constexpr int SV = Q::SLICE_VALUES, SLICES = Q::SLICES, PV = Q::PIECE_VALUES, CHUNKS = B::CHUNKS;
+    unsigned char* xs = smem + STAGES * B::TILE;
+    auto* bars = reinterpret_cast<unsigned long long*>(xs + B::X_BYTES);  // STAGES tiles, then x
+    const int first = static_cast<int>((long long)N * blockIdx.x / gridDim.x);
+    const int rows = static_cast<int>((long long)N * (blockIdx.x + 1) / gridDim.x) - first;
+    const int ntiles = (rows + WARPS - 1) / WARPS * CHUNKS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = lane / F::PIECES, p = lane % F::PIECES;
+    // Row j of tile t (row group t / CHUNKS, slices from (t % CHUNKS) SPAN on): where its bytes start in W, and how
+    // many the tile holds.
+    const auto start = [&](int t, int j) {
+        return (long long)(first + t / CHUNKS * WARPS + j) * Q::ROW_BYTES + (long long)(t % CHUNKS) * SPAN * Q::SLICE_BYTES;
+    };
+    const auto length = [&](int t) {
+        return static_cast<int>(min((long long)SPAN * Q::SLICE_BYTES, Q::ROW_BYTES - (long long)(t % CHUNKS) * SPAN * Q::SLICE_BYTES));
+    };
+    const auto nrows = [&](int t) { return min(WARPS, rows - t / CHUNKS * WARPS); };
+    const auto issue = [&](int t) {  // thread 0 only: tile t into stage t % STAGES
+        unsigned total = 0;
+        for (int j = 0; j < nrows(t); ++j) {
+            const long long s0 = start(t, j);
+            total += static_cast<unsigned>((s0 + length(t) - (s0 & ~15ll) + 15) / 16 * 16);
+        }
+        mbar_expect_tx(&bars[t % STAGES], total);
+        for (int j = 0; j < nrows(t); ++j) {
+            const long long s0 = start(t, j), from = s0 & ~15ll;
+            bulk_g2s(smem + (t % STAGES) * B::TILE + j * B::ROW_SLOT, W + from,
+                     static_cast<unsigned>((s0 + length(t) - from + 15) / 16 * 16), &bars[t % STAGES]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s <= STAGES; ++s) mbar_init(&bars[s], 1);
+        fence_barrier_init();
+        for (int t = 0; t < min(STAGES, ntiles); ++t) issue(t);  // weights: no wait for the kernel before
+        wait_for_prior_grids();                                    // the activations: after it
+        mbar_expect_tx(&bars[STAGES], B::X_BYTES);
+        bulk_g2s(xs, x, B::X_BYTES, &bars[STAGES]);
+    }
+    __syncthreads();  // the barriers are initialised
+    mbar_wait(&bars[STAGES], 0);
+    float acc = 0.f;
+    for (int t = 0; t < ntiles; ++t) {
+        const int st = t % STAGES, c = t % CHUNKS;
+        mbar_wait(&bars[st], (t / STAGES) & 1);
+        if (warp < nrows(t)) {
+            const unsigned char* row = smem + st * B::TILE + warp * B::ROW_SLOT + (start(t, warp) & 15);
+            if (c == 0) acc = 0.f;
+#pragma unroll 4
+            for (int u = 0; u < SPAN; ++u) {
+                const int s = c * SPAN + u;
+                if (SLICES % SPAN != 0 && s >= SLICES) break;
+                const bool live = lane * PV < min(SV, K - s * SV);
+                const int blk = live ? b : 0;
+                const typename F::Piece pc = F::load(row + (long long)u * Q::SLICE_BYTES + blk * F::BLOCK_BYTES, p);
+                const unsigned char* xm = xs + (long long)s * Q::X_SLICE_BYTES + blk * F::XB + p * (F::XB / F::PIECES);
+                if (live) acc = F::dot(pc, xm, acc);
+            }
+            if (c == CHUNKS - 1) {
+                const float v = warp_sum(acc);
+                if (lane == 0) y[first + t / CHUNKS * WARPS + warp] = v;
+            }
+        }
+        __syncthreads();  // every warp is done with stage st: it may be refilled
+        if (threadIdx.x == 0 && t + STAGES < ntiles) {
+            fence_proxy_async();
+            issue(t + STAGES);
+        }
+    }
+    launch_next_grid();
+}
+#endif
 
 // The GEMM on int8 tensor cores (formats with F::MMA), giving qgemm's bits. Lane l of qgemm sums, slice by slice,
 // the terms of its class of pieces (piece l of every slice: block l / PIECES of the slice, piece l % PIECES of it);

@@ -3,6 +3,7 @@ made of, and the device decode (templates/quant.cuh) compiled for the host and c
 gguf package on freshly drawn blocks."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
@@ -40,10 +41,11 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     names = {k.name for k in result.kernels}
     for f, fmt in qgemv.FORMATS.items():
         assert {*(t.name(fmt, CHECK_K) for t in qgemv.tunings(spec, fmt, CHECK_K)), f"qdequant_{f}"} <= names
-    rings = {t.name(fmt, CHECK_K): t.smem(fmt) for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
+    rings = {t.name(fmt, CHECK_K): t.smem(fmt, CHECK_K) for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
-        # shared memory: the warps' rings alone (none without stages); activations come through L1
+        # shared memory: the warps' rings alone (none without stages; activations come through L1), or the bulk
+        # GEMV's tiles, activations and barriers
         assert k.static_smem == 0 and k.dynamic_smem == rings.get(k.name, 0), k.name
         # a quarter of the SM's threads at least, for the loads in flight
         assert k.coresident_blocks * k.threads >= spec.chip.max_threads_per_sm // 4 * spec.chip.sm_count, k.name
@@ -96,7 +98,13 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
                 continue
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
-            assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
+            if q.bulk_stages:  # the bulk GEMV: the longest span whose block leaves room for bulk_blocks an SM
+                assert (v.mt, v.threads, v.stages, v.bulk) == (1, 32 * q.bulk_warps, q.bulk_stages, True)
+                room = spec.chip.smem_per_sm // q.bulk_blocks - 1024
+                assert v.smem(f, k) <= room and (v.span == slices or
+                                                 dataclasses.replace(v, span=v.span + 1).smem(f, k) > room)
+            else:
+                assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
             if mma:  # tensor cores: the last kernel, the format's tiles of 16 rows a block; dp4a's M-tiles before
                 *gemms, t = gemms  # it unless it takes all M
@@ -113,17 +121,24 @@ def test_mma_sizes_worked_out_by_hand():
     t = qgemv.Tuning(256, 1, 16, 1, 3, mma=True)
     # a stage: 16 rows' slices (4 blocks of 144 bytes = 36 words, in slots of 37) and 16 activation rows' XBlocks of
     # the slice (32 pieces x 48 bytes = 96 words, in slots of 97); 3 stages outgrow the 32 lane classes' sums
-    assert t.smem(q4k) == 3 * (16 * 37 * 16 + 16 * 97 * 16) > 32 * 16 * 16 * 4
+    assert t.smem(q4k, 5120) == 3 * (16 * 37 * 16 + 16 * 97 * 16) > 32 * 16 * 16 * 4
     # Q6_K: 4 blocks of 210 bytes from a 2-byte aligned start widened to 54 words, slots of 55; 8 activation rows
-    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k) == 2 * (16 * 55 * 16 + 8 * 97 * 16)
+    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k, 5120) == 2 * (16 * 55 * 16 + 8 * 97 * 16)
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
     assert t.name(q4k, 5120) == "qgemm_mma_m16_r1_q4_k_k5120_t256_st3"
     # a GEMV with a floor of 6 blocks an SM (a register cap) is a kernel of its own
     assert qgemv.Tuning(256, 1, 1, 1, min_blocks=6).name(q4k, 5120) == "qgemv_q4_k_k5120_r1_s1_t256_mb6"
     # two row tiles: 32 rows' slices a stage; 2 stages outgrow the 32 rows' class sums (64 KB)
     t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
-    assert t2.smem(q4k) == 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
+    assert t2.smem(q4k, 5120) == 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
+    # the bulk GEMV, 8 rows a group and 3 stages of 5 slices: each row's 5 slices of Q4_K (20 blocks of 144 bytes)
+    # widened to 16-byte words from any 2-byte aligned start (+ 30, rounded down to words: 2,896 bytes), the 160
+    # XBlocks of a row of 5,120 values, 4 mbarriers; at most the blocks that fit at once, each a range of rows
+    b = qgemv.Tuning(256, 1, 1, 5, 3, min_blocks=1, bulk=True)
+    assert b.smem(q4k, 5120) == 3 * 8 * 2896 + 160 * 48 + 4 * 8
+    assert b.name(q4k, 5120) == "qgemv_bulk_q4_k_k5120_s5_t256_st3_mb1"
+    assert b.grid(17408, 1, resident=264) == 264 and b.grid(48, 1, resident=264) == 6
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
@@ -144,12 +159,12 @@ def test_the_mma_gemm_takes_calls_from_its_threshold():
 def test_ring_sizes_worked_out_by_hand():
     q4k, q8, q6k = (qgemv.FORMATS[f] for f in ("q4_k", "q8_0", "q6_k"))
     # 8 warps x 4 items x 1 row x 2 slices of 4 blocks of 144 bytes
-    assert qgemv.Tuning(256, 1, 1, 2, 4).smem(q4k) == 8 * 4 * 2 * 576
+    assert qgemv.Tuning(256, 1, 1, 2, 4).smem(q4k, 5120) == 8 * 4 * 2 * 576
     # Q8_0 slices: 32 blocks of 34 bytes = 1088, widened to 16-byte words from a 2-byte aligned start: 1104
-    assert qgemv.Tuning(128, 2, 4, 1, 3).smem(q8) == 4 * 3 * 2 * 1104
+    assert qgemv.Tuning(128, 2, 4, 1, 3).smem(q8, 5120) == 4 * 3 * 2 * 1104
     # Q6_K slices: 4 blocks of 210 bytes = 840, widened: 864
-    assert qgemv.Tuning(256, 1, 8, 1, 2).smem(q6k) == 8 * 2 * 864
-    assert qgemv.Tuning(256, 2, 1, 4).smem(q4k) == 0  # no ring
+    assert qgemv.Tuning(256, 1, 8, 1, 2).smem(q6k, 5120) == 8 * 2 * 864
+    assert qgemv.Tuning(256, 2, 1, 4).smem(q4k, 5120) == 0  # no ring
 
 
 def test_grid_gives_each_row_group_every_m_tile():
@@ -221,6 +236,7 @@ static inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits
 // the tensor-core GEMM's warp shuffle compiles but is not run here: declared only, a use would not link
 float __shfl_sync(unsigned mask, float v, int lane);
 """
+import dataclasses
 
 HOST_MAIN = r"""
 #include HEADER
