@@ -176,7 +176,8 @@ struct NoWait {
 // `pos` attends positions 0 .. pos, read from cache rows rows(p). With writes_kv the item holding pos first writes
 // this token's K and V to row pos; without, they are in the cache already (a tree verify wrote them). wait()
 // (block-wide) returns once the item's in-projection rows are written; the RoPE angles are worked out before it.
-template <class M, int THREADS, class Rows = SequenceRows, class Wait = NoWait>
+// PB: the K/V rows a warp has in flight at once (registers: 16 a row and lane for a head of 256).
+template <class M, int THREADS, class Rows = SequenceRows, class Wait = NoWait, int PB = 2>
 __device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows = {},
                                bool writes_kv = true, Wait wait = {}) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
@@ -228,7 +229,6 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
     // before any block reads them, and L1 starts empty at launch, so a cached line is stale only if it also holds
     // a later position (rows of a position shorter than a 128-byte line); then they are read from L2.
     // PB rows per round have their loads in flight together.
-    constexpr int PB = 2;
     constexpr bool L1_SAFE = M::ATT_NKV * HD * sizeof(bf16) % 128 == 0;
     const int h = warp % G, count = (WARPS - h + G - 1) / G;
     float m = -__int_as_float(0x7f800000), l = 0.f, acc[CPL][8];

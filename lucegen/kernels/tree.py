@@ -34,6 +34,9 @@ from .megakernel import rope_inv_freq
 DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
 DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
 KV_THREADS = 128
+# K/V rows each warp of tree_attention has in flight (mk_attention.cuh's PB; the megakernel keeps 2 for its register
+# cap): with 2 the 27B's step read a 128K context at ~0.7 TB/s (51.6 tok/s, session 20 run 6)
+ATT_ROWS = 8
 NULL = (0, ctypes.c_void_p)
 
 
@@ -226,7 +229,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
                  value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
                  min_chunk=2 * (threads // 32)),
-        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks,
+        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=ATT_ROWS,
         max_nodes=max_nodes)
     sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
             KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", threads),
