@@ -99,7 +99,8 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
             if q.bulk_stages:  # the bulk GEMV: the longest span whose block leaves room for bulk_blocks an SM
-                assert (v.mt, v.threads, v.stages, v.bulk) == (1, 32 * q.bulk_warps, q.bulk_stages, True)
+                assert (v.mt, v.threads, v.stages, v.bulk, v.min_blocks) == (1, 32 * q.bulk_warps, q.bulk_stages, True,
+                                                                             q.bulk_blocks)
                 room = spec.chip.smem_per_sm // q.bulk_blocks - 1024
                 assert v.smem(f, k) <= room and (v.span == slices or
                                                  dataclasses.replace(v, span=v.span + 1).smem(f, k) > room)
@@ -135,9 +136,9 @@ def test_mma_sizes_worked_out_by_hand():
     # the bulk GEMV, 8 rows a group and 3 stages of 5 slices: each row's 5 slices of Q4_K (20 blocks of 144 bytes)
     # widened to 16-byte words from any 2-byte aligned start (+ 30, rounded down to words: 2,896 bytes), the 160
     # XBlocks of a row of 5,120 values, 4 mbarriers; at most the blocks that fit at once, each a range of rows
-    b = qgemv.Tuning(256, 1, 1, 5, 3, min_blocks=1, bulk=True)
+    b = qgemv.Tuning(256, 1, 1, 5, 3, bulk=True)
     assert b.smem(q4k, 5120) == 3 * 8 * 2896 + 160 * 48 + 4 * 8
-    assert b.name(q4k, 5120) == "qgemv_bulk_q4_k_k5120_s5_t256_st3_mb1"
+    assert b.name(q4k, 5120) == "qgemv_bulk_q4_k_k5120_s5_t256_st3"
     assert b.grid(17408, 1, resident=264) == 264 and b.grid(48, 1, resident=264) == 6
 
 

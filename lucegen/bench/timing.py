@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 from ..runtime import Event, Graph, Stream, observe_launches
 
 QUEUED_MS = 200.0  # graph replays queued ahead of an eager pass timed kernel by kernel
-_SHAPE_PART = re.compile(r"(wg|wt)?\d+x\d+|[hkmrst]\d+|st\d+")  # the parts of a kernel name that name a shape
+_SHAPE_PART = re.compile(r"(wg|wt)?\d+x\d+|[hkmrst]\d+|st\d+|mb\d+")  # the parts of a kernel name that name a shape
+                                                                          # or a tuning (mb: a blocks-an-SM floor)
 
 
 def median_ms(fn: Callable[[Stream], None], stream: Stream, warmup_s: float = 0.3, repeat: int = 30) -> float:
@@ -44,7 +45,7 @@ def host_median_ms(fn: Callable[[], object], repeat: int, warmup: int = 0) -> fl
 def kernel_kind(name: str) -> str:
     """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
     rmsnorm_f32_h1024 -> rmsnorm_f32, qgemv_q4_k_k5120_r1_s2_t256_st3 -> qgemv_q4_k, qgemm_m8_q6_k_k5120_r1_s1_t256
-    -> qgemm_q6_k)."""
+    -> qgemm_q6_k, qgemv_bulk_q6_k_k17408_s4_t256_st3_mb3 -> qgemv_bulk_q6_k)."""
     return "_".join(p for p in name.split("_") if not _SHAPE_PART.fullmatch(p))
 
 

@@ -346,11 +346,11 @@ def bulk_tuning(spec: ChipSpec, fmt: Format, k: int) -> Tuning:
     q, chip = spec.tuning.qgemv, spec.chip
     room = min(chip.smem_per_sm // q.bulk_blocks - 1024, chip.smem_per_block)
     fits = [s for s in range(1, -(-k // fmt.slice_values) + 1)
-            if Tuning(32 * q.bulk_warps, 1, 1, s, q.bulk_stages, min_blocks=1, bulk=True).smem(fmt, k) <= room]
+            if Tuning(32 * q.bulk_warps, 1, 1, s, q.bulk_stages, bulk=True).smem(fmt, k) <= room]
     if not fits:
         raise ValueError(f"{spec.name}: no bulk GEMV of {fmt.name} rows of K = {k} fits {q.bulk_blocks} blocks an SM "
                          f"(tuning.qgemv.bulk_blocks, bulk_stages {q.bulk_stages}, bulk_warps {q.bulk_warps})")
-    return Tuning(32 * q.bulk_warps, 1, 1, max(fits), q.bulk_stages, min_blocks=1, bulk=True)
+    return Tuning(32 * q.bulk_warps, 1, 1, max(fits), q.bulk_stages, min_blocks=q.bulk_blocks, bulk=True)
 
 
 def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
