@@ -94,9 +94,10 @@ class QGemvTuning:
                                                # decode GEMV and the verify GEMM in one batch-invariant kernel)
     min_blocks: int = 2       # the GEMV's blocks an SM at least (__launch_bounds__): more cap its registers, for more
                               # warps (loads in flight) an SM
-    bulk_stages: int = 0      # > 0: the GEMV on bulk copies (sm_90+; qgemv.cuh's qgemv_bulk), a ring of this many
-    bulk_warps: int = 8       # tiles of bulk_warps rows a block, each tile as many slices of them as leave room
-    bulk_blocks: int = 2      # for bulk_blocks blocks an SM; 0: the GEMV above
+    bulk_stages: int = 0      # > 0: the GEMV on bulk copies instead (sm_90+; qgemv.cuh's qgemv_bulk): a ring of this
+                              # many tiles a block; 0: the GEMV above
+    bulk_warps: int = 8       # its tiles' rows (a warp each)
+    bulk_blocks: int = 2      # its blocks an SM: a tile holds as many slices of its rows as leave room for them
 
 
 @dataclass(frozen=True)
