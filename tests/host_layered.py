@@ -125,7 +125,8 @@ class LayeredHostKernel:
         lin_rows = C + VD + 2 * c.linear_num_value_heads
         if name.startswith(("qgemv_", "qgemm_")):
             w, x, y, n, m = args
-            fmt, k = re.fullmatch(r"qgem[vm](?:_mma)?(?:_m\d+)?_(\w+?)_k(\d+)(?:_r\d+_s\d+)?_t\d+(?:_st\d+)?", name).groups()
+            fmt, k = re.fullmatch(r"qgem[vm](?:_mma|_bulk)?(?:_m\d+)?(?:_r\d+)?_(\w+?)_k(\d+)(?:_r\d+)?(?:_s\d+)?_t\d+"
+                                  r"(?:_st\d+)?(?:_mb\d+)?", name).groups()
             k = int(k)
             W = matrix(w, fmt, n, k)
             # the quantized formats read XBlocks (their values dx * qx, exactly), bf16 fp32 rows
