@@ -98,6 +98,7 @@ class QGemvTuning:
                               # many tiles a block; 0: the GEMV above
     bulk_warps: int = 8       # its tiles' rows (a warp each)
     bulk_blocks: int = 2      # its blocks an SM: a tile holds as many slices of its rows as leave room for them
+    bulk_formats: tuple[str, ...] = WEIGHT_FORMATS  # the formats whose GEMV it is (with bulk_stages > 0)
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if t.qgemv.bulk_stages and not 2 <= t.qgemv.bulk_stages <= 8:
         _fail(source, "tuning.qgemv.bulk_stages", f"{t.qgemv.bulk_stages}: the bulk GEMV takes 2 to 8 stages (0: "
               f"no bulk GEMV)")
+    if unknown := set(t.qgemv.bulk_formats) - set(WEIGHT_FORMATS):
+        _fail(source, "tuning.qgemv.bulk_formats", f"{', '.join(sorted(unknown))}: not weight formats "
+              f"({', '.join(WEIGHT_FORMATS)})")
     if not 1 <= t.qgemv.bulk_warps <= 32 or not 1 <= t.qgemv.bulk_blocks <= 8:
         _fail(source, "tuning.qgemv", f"bulk_warps {t.qgemv.bulk_warps} must be between 1 and 32 and bulk_blocks "
               f"{t.qgemv.bulk_blocks} between 1 and 8")

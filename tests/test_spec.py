@@ -110,6 +110,7 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"min_blocks": 9}), "tuning.qgemv.min_blocks", "between 1 and 8 (blocks of 256 threads"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"bulk_stages": 1}), "tuning.qgemv.bulk_stages", "takes 2 to 8 stages"),
+    (_set("tuning.qgemv", {"bulk_formats": ["q4_k", "iq2"]}), "tuning.qgemv.bulk_formats", "iq2: not weight formats"),
     (_set("tuning.qgemv", {"bulk_stages": 3, "bulk_blocks": 0}), "tuning.qgemv", "bulk_blocks 0 between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
     (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),

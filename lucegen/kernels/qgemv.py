@@ -333,7 +333,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
     if mma:
         gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE, 1, MMA_STAGES, mma=True))
-    if q.bulk_stages:
+    if q.bulk_stages and fmt.name in q.bulk_formats:
         gemv = bulk_tuning(spec, fmt, k)
     else:
         gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks)
