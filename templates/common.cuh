@@ -138,6 +138,37 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One step of warp_sums_spread: each lane keeps one half of its 2 HALF values (the upper one where its lane bit o
+// is set), adds the partner's same half, and hands on the rest; then the next step.
+template <int HALF, int N>
+__device__ __forceinline__ void warp_sums_spread_step(float (&v)[N], int lane) {
+    if constexpr (HALF >= 1) {
+        constexpr int o = 32 * HALF / N;
+        const int upper = lane & o ? -1 : 0;  // a mask: the selects stay in registers
+#pragma unroll
+        for (int i = 0; i < HALF; ++i) {
+            const int lo = __float_as_int(v[i]), hi = __float_as_int(v[i + HALF]);
+            const float send = __int_as_float((lo & upper) | (hi & ~upper));
+            const float keep = __int_as_float((hi & upper) | (lo & ~upper));
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+        warp_sums_spread_step<HALF / 2>(v, lane);
+    }
+}
+
+// N sums across the warp at once (N a power of two up to 32), each lane's v[i] added into sum i: lane l gets sum
+// l / (32 / N). Each step hands half of a lane's values to the partner lane and keeps the other half, so the N
+// sums take N - 1 + 5 - log2(N) shuffles where N warp_sums take 5 N. v is overwritten.
+template <int N>
+__device__ __forceinline__ float warp_sums_spread(float (&v)[N]) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two up to 32");
+    warp_sums_spread_step<N / 2>(v, threadIdx.x % 32);
+    float s = v[0];
+#pragma unroll
+    for (int o = 16 / N; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
 // Sum over a block of THREADS threads; every thread gets the result. `scratch` holds THREADS/32 floats.
 template <int THREADS>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

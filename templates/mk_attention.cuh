@@ -172,10 +172,44 @@ struct NoWait {
     __device__ __forceinline__ void operator()() const {}
 };
 
+// The start of a work item of kv head g: q [G][HD] = its query heads, normed, rotated and scaled, in shared
+// memory; with holds_pos, this token's K (normed, rotated) and V written to cache row `pos` first (k and v: HD floats
+// each of shared memory). wait() (block-wide) returns once the in-projection rows are written; the RoPE angles
+// are worked out before it. Ends with the block synchronised.
+template <class M, int THREADS, class Wait>
+__device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g, int pos, bool holds_pos, float* q,
+                                                  float* k, float* v, float* cs, float* sn, Wait wait) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // RoPE angles as HF computes them: fp32 position times fp32 inv_freq, then cos/sin of that fp32 angle.
+    for (int i = threadIdx.x; i < ROT / 2; i += THREADS) {
+        const float2 t = cos_sin(static_cast<float>(pos) * M::inv_freq(i));
+        cs[i] = t.x;
+        sn[i] = t.y;
+    }
+    wait();
+    const float* qkv_k = L.qkv + 2 * M::ATT_NH * HD + g * HD;
+    const float* qkv_v = L.qkv + 2 * M::ATT_NH * HD + M::ATT_NKV * HD + g * HD;
+    if (warp < G) head_rmsnorm<HD>(L.qkv + (size_t)(g * G + warp) * 2 * HD, L.q_norm, M::EPS, q + warp * HD);
+    if (holds_pos && warp == G) head_rmsnorm<HD>(qkv_k, L.k_norm, M::EPS, k);
+    if (holds_pos && warp == G + 1)
+        for (int d = lane; d < HD; d += 32) v[d] = load_coherent(qkv_v + d);
+    __syncthreads();
+    const float scale = rsqrtf(static_cast<float>(HD));
+    for (int h = 0; h < G; ++h) rope_in_place<HD, ROT>(q + h * HD, cs, sn, scale, threadIdx.x, THREADS);
+    if (holds_pos) {
+        rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
+        __syncthreads();
+        for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
+            (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
+    }
+    __syncthreads();  // queries ready; this position's K/V in the cache
+}
+
 // One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge. The query at
 // `pos` attends positions 0 .. pos, read from cache rows rows(p). With writes_kv the item holding pos first writes
 // this token's K and V to row pos; without, they are in the cache already (a tree verify wrote them). wait()
-// (block-wide) returns once the item's in-projection rows are written; the RoPE angles are worked out before it.
+// (block-wide) returns once the item's in-projection rows are written (attention_queries).
 // PB: the K/V rows a warp has in flight at once (registers: 16 a row and lane for a head of 256).
 template <class M, int THREADS, class Rows = SequenceRows, class Wait = NoWait, int PB = 2>
 __device__ void attention_item(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows = {},
@@ -197,31 +231,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
     float* wm = sn + ROT / 2;        // [WARPS] per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;        // [WARPS][HD]
-
-    // RoPE angles as HF computes them: fp32 position times fp32 inv_freq, then cos/sin of that fp32 angle.
-    for (int i = threadIdx.x; i < ROT / 2; i += THREADS) {
-        const float2 t = cos_sin(static_cast<float>(pos) * M::inv_freq(i));
-        cs[i] = t.x;
-        sn[i] = t.y;
-    }
-    wait();
-    const float* qkv_k = L.qkv + 2 * M::ATT_NH * HD + g * HD;
-    const float* qkv_v = L.qkv + 2 * M::ATT_NH * HD + M::ATT_NKV * HD + g * HD;
-    const bool holds_pos = writes_kv && last == n;
-    if (warp < G) head_rmsnorm<HD>(L.qkv + (size_t)(g * G + warp) * 2 * HD, L.q_norm, M::EPS, q + warp * HD);
-    if (holds_pos && warp == G) head_rmsnorm<HD>(qkv_k, L.k_norm, M::EPS, k);
-    if (holds_pos && warp == G + 1)
-        for (int d = lane; d < HD; d += 32) v[d] = load_coherent(qkv_v + d);
-    __syncthreads();
-    const float scale = rsqrtf(static_cast<float>(HD));
-    for (int h = 0; h < G; ++h) rope_in_place<HD, ROT>(q + h * HD, cs, sn, scale, threadIdx.x, THREADS);
-    if (holds_pos) {
-        rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
-        __syncthreads();
-        for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
-            (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
-    }
-    __syncthreads();  // queries ready; this position's K/V in the cache
+    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, q, k, v, cs, sn, wait);
 
     // Warp w attends query head h = w % G at positions first + w / G, + count, ... (the `count` warps of a head
     // split its positions), holding one head's online softmax (max, sum, HD/32 outputs per lane) in registers.
@@ -306,6 +316,173 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
             L.part_ml[(part + head) * 2] = mx;
             L.part_ml[(part + head) * 2 + 1] = sum;
         }
+    }
+
+    if (last_to_arrive(L.tickets + g, ch.y, flag)) attention_merge<M, THREADS>(L, g, ch.y, work);
+}
+
+// Shared memory of one attention_item_gqa, in floats: the larger of its carve-up and attention_merge's.
+template <class M, int WARPS, int BLOCKS>
+constexpr int attention_gqa_work_floats() {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD;
+    constexpr int item = G * HD + 2 * HD + M::ATT_ROT + WARPS * 32 + 2 * WARPS + WARPS * HD;
+    constexpr int merge = (BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G;
+    return item > merge ? item : merge;
+}
+
+// attention_item with every warp attending all G query heads of kv head g (grouped-query attention): warp w takes
+// positions first + w, + WARPS, ... in rounds of PB rows, and each K/V row is read and converted once for the G
+// heads, not once a head. A round's G x PB partial scores are summed across the warp together (warp_sums_spread)
+// and shared through shared memory, where every lane takes the round's softmax weights; the running max, and the
+// rescaling of the outputs when it grows, move once a round. Then the block's partial per head (over its warps)
+// and, in the last item of kv head g, the merge. Shared memory: attention_gqa_work_floats.
+template <class M, int THREADS, class Rows, int PB>
+__device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows,
+                                   bool writes_kv) {
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
+    constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
+    constexpr int S = G * PB, N = S <= 1 ? 1 : S <= 2 ? 2 : S <= 4 ? 4 : S <= 8 ? 8 : S <= 16 ? 16 : 32;
+    static_assert(S <= 32, "a round's scores are at most a warp's lanes");
+    static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = pos + 1;
+    const int2 ch = attention_chunks<M>(n, gridDim.x);
+    const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
+    const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
+
+    float* q = work;              // [G][HD] normed, rotated, scaled queries
+    float* k = q + G * HD;        // [HD] this token's key (the item holding position pos)
+    float* v = k + HD;            // [HD] and value
+    float* cs = v + HD;           // [ROT/2] cos, then [ROT/2] sin
+    float* sn = cs + ROT / 2;
+    float* sc = sn + ROT / 2;     // [WARPS][32] a round's scores
+    float* wm = sc + WARPS * 32;  // [WARPS] a head's per-warp max, then [WARPS] sum
+    float* wl = wm + WARPS;
+    float* wacc = wl + WARPS;     // [WARPS][HD] a head's per-warp outputs
+    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, q, k, v, cs, sn, NoWait{});
+
+    const auto chunk = [&](int u) { return min(lane + 32 * u, HD / 8 - 1); };  // lanes past HD / 8: dropped
+    const auto to_f32 = [](uint4 w, float (&f)[8]) {
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 t = __bfloat1622float2(w2[e]);
+            f[2 * e] = t.x;
+            f[2 * e + 1] = t.y;
+        }
+    };
+    float qr[G][CPL][8], m[G], l[G], acc[G][CPL][8];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = -__int_as_float(0x7f800000);
+        l[h] = 0.f;
+#pragma unroll
+        for (int u = 0; u < CPL; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                qr[h][u][e] = q[h * HD + chunk(u) * 8 + e];
+                acc[h][u][e] = 0.f;
+            }
+    }
+    float* mine = sc + warp * 32;
+    for (int p0 = first + warp; p0 < last; p0 += WARPS * PB) {
+        uint4 kr[PB][CPL], vr[PB][CPL];
+#pragma unroll
+        for (int b = 0; b < PB; ++b) {
+            const size_t row = kv_offset<M>(g, rows(min(p0 + b * WARPS, last - 1)));
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                kr[b][u] = __ldcg(reinterpret_cast<const uint4*>(L.keys + row) + chunk(u));
+                vr[b][u] = __ldcg(reinterpret_cast<const uint4*>(L.values + row) + chunk(u));
+            }
+        }
+        float part[N];  // [b][h]: this lane's share of row b's score for head h
+#pragma unroll
+        for (int i = 0; i < N; ++i) part[i] = 0.f;
+#pragma unroll
+        for (int b = 0; b < PB; ++b)
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                if (lane + 32 * u >= HD / 8) continue;
+                float kf[8];
+                to_f32(kr[b][u], kf);
+#pragma unroll
+                for (int h = 0; h < G; ++h)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) part[b * G + h] = fmaf(kf[e], qr[h][u][e], part[b * G + h]);
+            }
+        const float own = warp_sums_spread<N>(part);
+        if (lane % (32 / N) == 0) mine[lane / (32 / N)] = own;
+        __syncwarp();
+        float w[PB][G], corr[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float mx = m[h];
+#pragma unroll
+            for (int b = 0; b < PB; ++b)
+                if (p0 + b * WARPS < last) mx = fmaxf(mx, mine[b * G + h]);
+            corr[h] = __expf(m[h] - mx);
+            float sum = 0.f;
+#pragma unroll
+            for (int b = 0; b < PB; ++b) {
+                w[b][h] = p0 + b * WARPS < last ? __expf(mine[b * G + h] - mx) : 0.f;
+                sum += w[b][h];
+            }
+            l[h] = l[h] * corr[h] + sum;
+            m[h] = mx;
+        }
+        __syncwarp();  // every lane has read the scores before the next round writes its own
+#pragma unroll
+        for (int u = 0; u < CPL; ++u) {
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[h][u][e] *= corr[h];
+#pragma unroll
+            for (int b = 0; b < PB; ++b) {
+                float vf[8];
+                to_f32(vr[b][u], vf);
+#pragma unroll
+                for (int h = 0; h < G; ++h)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[h][u][e] = fmaf(w[b][h], vf[e], acc[h][u][e]);
+            }
+        }
+    }
+
+    // The block's partial per head: the (max, sum, outputs) of its warps merged through shared memory, a head a
+    // time.
+    const size_t part0 = ((size_t)g * max_chunks + c) * G;
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        if (lane == 0) {
+            wm[warp] = m[h];
+            wl[warp] = l[h];
+        }
+#pragma unroll
+        for (int u = 0; u < CPL; ++u)
+            if (lane + 32 * u < HD / 8)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) wacc[warp * HD + (lane + 32 * u) * 8 + e] = acc[h][u][e];
+        __syncthreads();
+        for (int d = threadIdx.x; d < HD; d += THREADS) {
+            float mx = wm[0];
+#pragma unroll
+            for (int w2 = 1; w2 < WARPS; ++w2) mx = fmaxf(mx, wm[w2]);
+            float a = 0.f, sum = 0.f;
+#pragma unroll
+            for (int w2 = 0; w2 < WARPS; ++w2) {
+                const float f = __expf(wm[w2] - mx);
+                a += f * wacc[w2 * HD + d];
+                sum += f * wl[w2];
+            }
+            L.part_acc[(part0 + h) * HD + d] = a;
+            if (d == 0) {
+                L.part_ml[(part0 + h) * 2] = mx;
+                L.part_ml[(part0 + h) * 2 + 1] = sum;
+            }
+        }
+        __syncthreads();
     }
 
     if (last_to_arrive(L.tickets + g, ch.y, flag)) attention_merge<M, THREADS>(L, g, ch.y, work);

@@ -220,10 +220,10 @@ __device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float
             __float2bfloat16(d < HD ? k[d] : load_coherent(row + NKV * HD + g * HD + d - HD));
 }
 
-// Work item `item` of node n (gridDim.x items per node, as the decode step's grid). `ints` holds 2 N ints.
-// writes_kv (a 1-node tree: the decode step): the item holding the node's position writes its K/V row first, as
-// the decode item does, instead of tree_attention_kv. ROWS: the K/V rows each warp has in flight (attention_item's
-// PB; the megakernel's 2 leave a long context's reads short of bytes in flight: ~5 GB/s an SM at 128K).
+// Work item `item` of node n (gridDim.x items per node, as the decode step's grid): attention_item_gqa. `ints`
+// holds 2 N ints. writes_kv (a 1-node tree: the decode step): the item holding the node's position writes its K/V
+// row first, as the decode item does, instead of tree_attention_kv. ROWS: the K/V rows each warp has in flight (a
+// round of attention_item_gqa).
 template <class M, int THREADS, int ROWS>
 __device__ void tree_attention_item(const TreeAttention& T, int item, int node, bool writes_kv, float* work, int* ints,
                                     int* flag) {
@@ -242,7 +242,7 @@ __device__ void tree_attention_item(const TreeAttention& T, int item, int node, 
                            T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
                            T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD};
     const auto rows = [=](int p) { return p < start ? p : start + anc[p - start]; };
-    attention_item<M, THREADS, decltype(rows), NoWait, ROWS>(L, item, pos, work, flag, rows, writes_kv);
+    attention_item_gqa<M, THREADS, decltype(rows), ROWS>(L, item, pos, work, flag, rows, writes_kv);
 }
 
 // Rows start + path[i] to start + i for the accepted path (root first) of kv head g. Each thread owns columns and

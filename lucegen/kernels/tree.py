@@ -34,10 +34,20 @@ from .megakernel import rope_inv_freq
 DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
 DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
 KV_THREADS = 128
-# K/V rows each warp of tree_attention has in flight (mk_attention.cuh's PB; the megakernel keeps 2 for its register
-# cap): with 2 the 27B's step read a 128K context at ~0.7 TB/s (51.6 tok/s, session 20 run 6)
-ATT_ROWS = 8
+ATT_WARPS = 8  # tree_attention's block (at least G + 2 warps: attention_queries)
+ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a round of attention_item_gqa holds G x
+               # rows scores, at most 32
 NULL = (0, ctypes.c_void_p)
+
+
+def att_threads(cfg: ModelConfig) -> int:
+    """tree_attention's threads: ATT_WARPS warps, or G + 2 for more query heads a kv head."""
+    return 32 * max(ATT_WARPS, cfg.num_attention_heads // cfg.num_key_value_heads + 2)
+
+
+def att_rows(cfg: ModelConfig) -> int:
+    """The K/V rows a warp of tree_attention reads a round: at most ATT_ROWS, and G of them at most 32 scores."""
+    return max(1, min(ATT_ROWS, 32 // (cfg.num_attention_heads // cfg.num_key_value_heads)))
 
 
 def _io(io):
@@ -198,10 +208,9 @@ def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
 
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     """Why the tree kernels cannot take this model on this chip, or None."""
-    warps = spec.tuning.megakernel.threads_for(cfg.name) // 32
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    if group + 2 > warps:
-        return f"{cfg.name}: {group} query heads per kv head need {group + 2} warps; {spec.name} gives {warps}"
+    if group > 32:
+        return f"{cfg.name}: {group} query heads per kv head; the tree attention takes at most 32"
     max_nodes = spec.tuning.ddtree.capacity + 1
     smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
@@ -219,7 +228,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
     if not model.linear_layers or not model.full_layers or shape_problem(model, spec):
         return []
     mk, cfg = spec.tuning.megakernel, model
-    threads = mk.threads_for(cfg.name)
+    threads = att_threads(cfg)
     max_nodes = spec.tuning.ddtree.capacity + 1
     hexf = lambda v: float(np.float32(v)).hex() + "f"
     params = dict(
@@ -229,7 +238,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
                  value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
                  min_chunk=2 * (threads // 32)),
-        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=ATT_ROWS,
+        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=att_rows(cfg),
         max_nodes=max_nodes)
     sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
             KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", threads),
@@ -268,7 +277,7 @@ class TreeKernels:
         self.cfg, self.spec = cfg, spec
         mk = spec.tuning.megakernel
         self.max_nodes = spec.tuning.ddtree.capacity + 1
-        self.att_blocks, self.att_threads = mk.blocks, mk.threads_for(cfg.name)
+        self.att_blocks, self.att_threads = mk.blocks, att_threads(cfg)
         self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
         self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
         smem = dn_smem(cfg, stack_levels(self.max_nodes), self.max_nodes)
