@@ -330,21 +330,34 @@ constexpr int attention_gqa_work_floats() {
     return item > merge ? item : merge;
 }
 
-// attention_item with every warp attending all G query heads of kv head g (grouped-query attention): warp w takes
-// positions first + w, + WARPS, ... in rounds of PB rows, and each K/V row is read and converted once for the G
-// heads, not once a head. A round's G x PB partial scores are summed across the warp together (warp_sums_spread)
-// and shared through shared memory, where every lane takes the round's softmax weights; the running max, and the
-// rescaling of the outputs when it grows, move once a round. Then the block's partial per head (over its warps)
-// and, in the last item of kv head g, the merge. Shared memory: attention_gqa_work_floats.
+// The query heads a warp of attention_item_gqa attends: the largest divisor of G up to 6 (a lane holds 16 floats a
+// head: its query values and outputs).
+template <int G>
+constexpr int attention_gqa_heads() {
+    int gh = 1;
+    for (int d = 1; d <= 6 && d <= G; ++d)
+        if (G % d == 0) gh = d;
+    return gh;
+}
+
+// attention_item with each warp attending GH = attention_gqa_heads query heads of kv head g (grouped-query
+// attention): warp w takes head group w % NG (NG = G / GH) and positions first + w / NG, + WARPS / NG, ... in rounds
+// of PB rows, each K/V row read and converted once for its GH heads, not once a head. A round's GH x PB partial
+// scores are summed across the warp together (warp_sums_spread) and shared through shared memory, where every lane
+// takes the round's softmax weights; the running max, and the rescaling of the outputs when it grows, move once a
+// round. Then the block's partial per head (over its warps) and, in the last item of kv head g, the merge. Shared
+// memory: attention_gqa_work_floats.
 template <class M, int THREADS, class Rows, int PB>
 __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows,
                                    bool writes_kv) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
+    constexpr int GH = attention_gqa_heads<G>(), NG = G / GH, STREAMS = WARPS / NG;
     constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
-    constexpr int S = G * PB, N = S <= 1 ? 1 : S <= 2 ? 2 : S <= 4 ? 4 : S <= 8 ? 8 : S <= 16 ? 16 : 32;
+    constexpr int S = GH * PB, N = S <= 1 ? 1 : S <= 2 ? 2 : S <= 4 ? 4 : S <= 8 ? 8 : S <= 16 ? 16 : 32;
     static_assert(S <= 32, "a round's scores are at most a warp's lanes");
+    static_assert(WARPS % NG == 0, "whole position streams of warps");
     static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hg = warp % NG, stream = warp / NG;
     const int n = pos + 1;
     const int2 ch = attention_chunks<M>(n, gridDim.x);
     const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
@@ -371,25 +384,25 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
             f[2 * e + 1] = t.y;
         }
     };
-    float qr[G][CPL][8], m[G], l[G], acc[G][CPL][8];
+    float qr[GH][CPL][8], m[GH], l[GH], acc[GH][CPL][8];
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
+    for (int h = 0; h < GH; ++h) {
         m[h] = -__int_as_float(0x7f800000);
         l[h] = 0.f;
 #pragma unroll
         for (int u = 0; u < CPL; ++u)
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                qr[h][u][e] = q[h * HD + chunk(u) * 8 + e];
+                qr[h][u][e] = q[(hg * GH + h) * HD + chunk(u) * 8 + e];
                 acc[h][u][e] = 0.f;
             }
     }
     float* mine = sc + warp * 32;
-    for (int p0 = first + warp; p0 < last; p0 += WARPS * PB) {
+    for (int p0 = first + stream; p0 < last; p0 += STREAMS * PB) {
         uint4 kr[PB][CPL], vr[PB][CPL];
 #pragma unroll
         for (int b = 0; b < PB; ++b) {
-            const size_t row = kv_offset<M>(g, rows(min(p0 + b * WARPS, last - 1)));
+            const size_t row = kv_offset<M>(g, rows(min(p0 + b * STREAMS, last - 1)));
 #pragma unroll
             for (int u = 0; u < CPL; ++u) {
                 kr[b][u] = __ldcg(reinterpret_cast<const uint4*>(L.keys + row) + chunk(u));
@@ -407,25 +420,25 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
                 float kf[8];
                 to_f32(kr[b][u], kf);
 #pragma unroll
-                for (int h = 0; h < G; ++h)
+                for (int h = 0; h < GH; ++h)
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) part[b * G + h] = fmaf(kf[e], qr[h][u][e], part[b * G + h]);
+                    for (int e = 0; e < 8; ++e) part[b * GH + h] = fmaf(kf[e], qr[h][u][e], part[b * GH + h]);
             }
         const float own = warp_sums_spread<N>(part);
         if (lane % (32 / N) == 0) mine[lane / (32 / N)] = own;
         __syncwarp();
-        float w[PB][G], corr[G];
+        float w[PB][GH], corr[GH];
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
+        for (int h = 0; h < GH; ++h) {
             float mx = m[h];
 #pragma unroll
             for (int b = 0; b < PB; ++b)
-                if (p0 + b * WARPS < last) mx = fmaxf(mx, mine[b * G + h]);
+                if (p0 + b * STREAMS < last) mx = fmaxf(mx, mine[b * GH + h]);
             corr[h] = __expf(m[h] - mx);
             float sum = 0.f;
 #pragma unroll
             for (int b = 0; b < PB; ++b) {
-                w[b][h] = p0 + b * WARPS < last ? __expf(mine[b * G + h] - mx) : 0.f;
+                w[b][h] = p0 + b * STREAMS < last ? __expf(mine[b * GH + h] - mx) : 0.f;
                 sum += w[b][h];
             }
             l[h] = l[h] * corr[h] + sum;
@@ -435,7 +448,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
 #pragma unroll
         for (int u = 0; u < CPL; ++u) {
 #pragma unroll
-            for (int h = 0; h < G; ++h)
+            for (int h = 0; h < GH; ++h)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[h][u][e] *= corr[h];
 #pragma unroll
@@ -443,18 +456,18 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
                 float vf[8];
                 to_f32(vr[b][u], vf);
 #pragma unroll
-                for (int h = 0; h < G; ++h)
+                for (int h = 0; h < GH; ++h)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[h][u][e] = fmaf(w[b][h], vf[e], acc[h][u][e]);
             }
         }
     }
 
-    // The block's partial per head: the (max, sum, outputs) of its warps merged through shared memory, a head a
-    // time.
+    // The block's partial per head: the (max, sum, outputs) of the warps attending it, merged through shared
+    // memory; round h takes head h of every head group.
     const size_t part0 = ((size_t)g * max_chunks + c) * G;
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
+    for (int h = 0; h < GH; ++h) {
         if (lane == 0) {
             wm[warp] = m[h];
             wl[warp] = l[h];
@@ -465,21 +478,23 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
 #pragma unroll
                 for (int e = 0; e < 8; ++e) wacc[warp * HD + (lane + 32 * u) * 8 + e] = acc[h][u][e];
         __syncthreads();
-        for (int d = threadIdx.x; d < HD; d += THREADS) {
-            float mx = wm[0];
+        for (int o = threadIdx.x; o < NG * HD; o += THREADS) {
+            const int grp = o / HD, d = o % HD, head = grp * GH + h;
+            float mx = wm[grp];
 #pragma unroll
-            for (int w2 = 1; w2 < WARPS; ++w2) mx = fmaxf(mx, wm[w2]);
+            for (int s2 = 1; s2 < STREAMS; ++s2) mx = fmaxf(mx, wm[s2 * NG + grp]);
             float a = 0.f, sum = 0.f;
 #pragma unroll
-            for (int w2 = 0; w2 < WARPS; ++w2) {
+            for (int s2 = 0; s2 < STREAMS; ++s2) {
+                const int w2 = s2 * NG + grp;
                 const float f = __expf(wm[w2] - mx);
                 a += f * wacc[w2 * HD + d];
                 sum += f * wl[w2];
             }
-            L.part_acc[(part0 + h) * HD + d] = a;
+            L.part_acc[(part0 + head) * HD + d] = a;
             if (d == 0) {
-                L.part_ml[(part0 + h) * 2] = mx;
-                L.part_ml[(part0 + h) * 2 + 1] = sum;
+                L.part_ml[(part0 + head) * 2] = mx;
+                L.part_ml[(part0 + head) * 2 + 1] = sum;
             }
         }
         __syncthreads();

@@ -211,6 +211,6 @@ def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, model, tile
 def test_lucegen_build_includes_it_and_a_model_it_cannot_take_says_why():
     spec = load_spec("h200")
     assert {"tree", "tree_tiled"} <= {u.name for u in all_units(spec, load_config("qwen3.5-0.8b"))}
-    wide = tiny_config(num_attention_heads=32, num_key_value_heads=2)  # 16 query heads per kv head: 18 warps
+    wide = tiny_config(num_attention_heads=32, num_key_value_heads=2)  # 16 query heads per kv head
     assert tree.units(spec, wide) == []
-    assert "18 warps" in tree.shape_problem(wide, spec)
+    assert "16 query heads per kv head" in tree.shape_problem(wide, spec)

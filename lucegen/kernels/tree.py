@@ -34,20 +34,38 @@ from .megakernel import rope_inv_freq
 DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
 DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
 KV_THREADS = 128
-ATT_WARPS = 8  # tree_attention's block (at least G + 2 warps: attention_queries)
-ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a round of attention_item_gqa holds G x
-               # rows scores, at most 32
+ATT_WARPS = 8  # tree_attention's block, at least (and G + 2 warps: attention_queries)
+ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a round of attention_item_gqa holds its
+               # heads x rows scores, at most 32. An item's chunk is at least one round of its warps (27B at context
+               # 512: 6,480 us a token against 6,547 with chunks of 2 rows a warp, session 21 run 3)
+ATT_MAX_THREADS = 384  # a thread of tree_attention takes ~170 registers (65,536 / 384); more threads spill
 NULL = (0, ctypes.c_void_p)
 
 
+def att_heads(cfg: ModelConfig) -> int:
+    """The query heads a warp of tree_attention attends (mk_attention.cuh: attention_gqa_heads): the largest divisor
+    of G up to 6."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    return max(d for d in range(1, min(6, group) + 1) if group % d == 0)
+
+
 def att_threads(cfg: ModelConfig) -> int:
-    """tree_attention's threads: ATT_WARPS warps, or G + 2 for more query heads a kv head."""
-    return 32 * max(ATT_WARPS, cfg.num_attention_heads // cfg.num_key_value_heads + 2)
+    """tree_attention's threads: ATT_WARPS warps or G + 2, in whole sets of the G / att_heads warps that take a
+    position's heads."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    groups = group // att_heads(cfg)
+    return 32 * -(-max(ATT_WARPS, group + 2) // groups) * groups
 
 
 def att_rows(cfg: ModelConfig) -> int:
-    """The K/V rows a warp of tree_attention reads a round: at most ATT_ROWS, and G of them at most 32 scores."""
-    return max(1, min(ATT_ROWS, 32 // (cfg.num_attention_heads // cfg.num_key_value_heads)))
+    """The K/V rows a warp of tree_attention reads a round: at most ATT_ROWS, and at most 32 scores."""
+    return max(1, min(ATT_ROWS, 32 // att_heads(cfg)))
+
+
+def att_min_chunk(cfg: ModelConfig) -> int:
+    """An item's positions at least: one round of its warps."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    return att_threads(cfg) // 32 // (group // att_heads(cfg)) * att_rows(cfg)
 
 
 def _io(io):
@@ -209,8 +227,9 @@ def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     """Why the tree kernels cannot take this model on this chip, or None."""
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    if group > 32:
-        return f"{cfg.name}: {group} query heads per kv head; the tree attention takes at most 32"
+    if att_threads(cfg) > ATT_MAX_THREADS:
+        return (f"{cfg.name}: {group} query heads per kv head need {att_threads(cfg)} threads in the tree attention; "
+                f"it takes at most {ATT_MAX_THREADS}")
     max_nodes = spec.tuning.ddtree.capacity + 1
     smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
@@ -237,7 +256,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
                  dv=cfg.linear_value_head_dim, conv_k=cfg.linear_conv_kernel_dim, key_dim=cfg.key_dim,
                  value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
-                 min_chunk=2 * (threads // 32)),
+                 min_chunk=att_min_chunk(cfg)),
         dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=att_rows(cfg),
         max_nodes=max_nodes)
     sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),

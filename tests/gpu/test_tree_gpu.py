@@ -31,7 +31,9 @@ pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 DN_RTOL, KV_RTOL, ATT_RTOL = 2e-4, 4e-3, 1e-5
-MODELS = {"tiny": tiny_config, "0.8b": lambda: load_config("qwen3.5-0.8b"), "27b": lambda: load_config("qwen3.5-27b")}
+MODELS = {"tiny": tiny_config, "0.8b": lambda: load_config("qwen3.5-0.8b"), "27b": lambda: load_config("qwen3.5-27b"),
+          # 8 query heads a kv head: the tree attention's warps take 4 heads each, two warps a position
+          "tiny-g8": lambda: tiny_config(num_attention_heads=8, num_key_value_heads=1)}
 SIZES = [1, 7, 22, 64]
 KINDS = ["chain", "star", "bushy"]
 STARTS = st.sampled_from([0, 1, 2, 3, 50, 700])
