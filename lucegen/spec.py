@@ -78,6 +78,12 @@ class GemvTuning:
 
 
 @dataclass(frozen=True)
+class ModelMinBlocks:
+    model: str    # a model config's name (qwen3.5-27b)
+    min_blocks: int
+
+
+@dataclass(frozen=True)
 class QGemvTuning:
     """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py (templates/qgemv.cuh: work split, rings)."""
     threads: int = 256
@@ -94,11 +100,17 @@ class QGemvTuning:
                                                # decode GEMV and the verify GEMM in one batch-invariant kernel)
     min_blocks: int = 2       # the GEMV's blocks an SM at least (__launch_bounds__): more cap its registers, for more
                               # warps (loads in flight) an SM
+    model_min_blocks: tuple[ModelMinBlocks, ...] = ()  # models whose GEMVs take another floor (one that spills
+                                                       # another model's shapes)
     bulk_stages: int = 0      # > 0: the GEMV on bulk copies instead (sm_90+; qgemv.cuh's qgemv_bulk): a ring of this
                               # many tiles a block; 0: the GEMV above
     bulk_warps: int = 8       # its tiles' rows (a warp each)
     bulk_blocks: int = 2      # its blocks an SM: a tile holds as many slices of its rows as leave room for them
     bulk_formats: tuple[str, ...] = WEIGHT_FORMATS  # the formats whose GEMV it is (with bulk_stages > 0)
+
+    def min_blocks_for(self, model: str | None) -> int:
+        """The GEMV's floor of blocks an SM for `model` (None: the spec's)."""
+        return next((m.min_blocks for m in self.model_min_blocks if m.model == model), self.min_blocks)
 
 
 @dataclass(frozen=True)
@@ -122,10 +134,10 @@ class MegakernelTuning:
     weight_prefetch_tiles: int = 0  # weight tiles beyond the ring's that each block asks L2 for
     barrier_tiles: int = 0  # weight tiles a block issues into its ring while it waits at a grid barrier (0: all it has
                             # free slots for)
-    model_threads: tuple[ModelThreads, ...] = ()  # models whose megakernel (and tree attention) takes other threads
+    model_threads: tuple[ModelThreads, ...] = ()  # models whose megakernel takes other threads
 
     def threads_for(self, model: str) -> int:
-        """Threads per block of `model`'s megakernel and tree attention."""
+        """Threads per block of `model`'s megakernel."""
         return next((m.threads for m in self.model_threads if m.model == model), self.threads)
 
 
@@ -375,9 +387,13 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     for key in ("rows_per_warp", "span", "gemm_span", "gemm_rows_per_warp"):
         if not 1 <= getattr(t.qgemv, key) <= 8:
             _fail(source, f"tuning.qgemv.{key}", f"{getattr(t.qgemv, key)} must be between 1 and 8")
-    if not 1 <= t.qgemv.min_blocks <= c.max_threads_per_sm // t.qgemv.threads:
-        _fail(source, "tuning.qgemv.min_blocks", f"{t.qgemv.min_blocks} must be between 1 and "
-              f"{c.max_threads_per_sm // t.qgemv.threads} (blocks of {t.qgemv.threads} threads an SM)")
+    floors = (("tuning.qgemv.min_blocks", t.qgemv.min_blocks),
+              *((f"tuning.qgemv.model_min_blocks[{i}].min_blocks", m.min_blocks)
+                for i, m in enumerate(t.qgemv.model_min_blocks)))
+    for key, floor in floors:
+        if not 1 <= floor <= c.max_threads_per_sm // t.qgemv.threads:
+            _fail(source, key, f"{floor} must be between 1 and {c.max_threads_per_sm // t.qgemv.threads} (blocks of "
+                  f"{t.qgemv.threads} threads an SM)")
     if t.qgemv.bulk_stages and not 2 <= t.qgemv.bulk_stages <= 8:
         _fail(source, "tuning.qgemv.bulk_stages", f"{t.qgemv.bulk_stages}: the bulk GEMV takes 2 to 8 stages (0: "
               f"no bulk GEMV)")

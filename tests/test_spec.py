@@ -21,11 +21,24 @@ def test_every_chip_has_a_valid_spec():
 
 
 def test_a_model_may_take_its_own_megakernel_threads(tmp_path):
-    """tuning.megakernel.model_threads: the named model's megakernel and tree attention take its thread count, every
-    other model the spec's."""
+    """tuning.megakernel.model_threads: the named model's megakernel takes its thread count, every other model the
+    spec's."""
     path = _write(tmp_path, _set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b", "threads": 256}]))
     mk = load_spec(path).tuning.megakernel
     assert mk.threads_for("qwen3.5-27b") == 256 and mk.threads_for("qwen3.5-0.8b") == mk.threads != 256
+
+
+def test_a_model_may_take_its_own_gemv_floor(tmp_path):
+    """tuning.qgemv.model_min_blocks: the named model's GEMVs compile with its floor of blocks an SM (their kernel
+    names say it), every other model's with the spec's."""
+    from lucegen.kernels import qgemv
+    path = _write(tmp_path, _set("tuning.qgemv", {"model_min_blocks": [{"model": "qwen3.5-27b", "min_blocks": 6}]}))
+    spec = load_spec(path)
+    q4k = qgemv.fmt_of("q4_k")
+    assert spec.tuning.qgemv.min_blocks_for("qwen3.5-27b") == 6
+    assert spec.tuning.qgemv.min_blocks_for("qwen3.5-0.8b") == spec.tuning.qgemv.min_blocks != 6
+    assert qgemv.tunings(spec, q4k, 5120, "qwen3.5-27b")[0].name(q4k, 5120).endswith("_mb6")
+    assert "_mb" not in qgemv.tunings(spec, q4k, 5120, "qwen3.5-0.8b")[0].name(q4k, 5120)
 
 
 def test_registers_bound_the_blocks_an_sm_holds_by_whole_warp_groups():
@@ -108,6 +121,8 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"stages": 1}), "tuning.qgemv.stages", "0 (no ring) or between 2 and 8"),
     (_set("tuning.qgemv", {"gemm": "wmma"}), "tuning.qgemv.gemm", "is not one of"),
     (_set("tuning.qgemv", {"min_blocks": 9}), "tuning.qgemv.min_blocks", "between 1 and 8 (blocks of 256 threads"),
+    (_set("tuning.qgemv", {"model_min_blocks": [{"model": "qwen3.5-27b", "min_blocks": 0}]}),
+     "tuning.qgemv.model_min_blocks[0].min_blocks", "between 1 and 8"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"bulk_stages": 1}), "tuning.qgemv.bulk_stages", "takes 2 to 8 stages"),
     (_set("tuning.qgemv", {"bulk_formats": ["q4_k", "iq2"]}), "tuning.qgemv.bulk_formats", "iq2: not weight formats"),

@@ -105,7 +105,7 @@ class GpuDraft:
         qmods, self.mm = {}, {}
         for fmt, k in sorted(pairs):
             qmods.setdefault(fmt, result.module(f"qgemv_{fmt}"))
-            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
+            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=target_cfg.name)
         self.own_stream = stream is None
         self.stream = Stream(programmatic=spec.tuning.layered.pdl) if stream is None else stream
         self.graph: Graph | None = None

@@ -117,7 +117,7 @@ class LayeredStep:
                 self.mm[fmt, k] = qgemm_tc.QGemmTC(mod(qgemm_tc.UNIT), spec, fmt, self.max_rows, k)
                 continue
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
-            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k)
+            self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=cfg.name)
         self.argmax = argmax.Argmax(mod("argmax"), spec)
         self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}

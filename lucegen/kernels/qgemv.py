@@ -320,7 +320,7 @@ class Tuning:
         return min(groups, resident) if self.bulk else groups * -(-m // self.mt)
 
 
-def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
+def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> list[Tuning]:
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
@@ -336,7 +336,8 @@ def tunings(spec: ChipSpec, fmt: Format, k: int) -> list[Tuning]:
     if q.bulk_stages and fmt.name in q.bulk_formats:
         gemv = bulk_tuning(spec, fmt, k)
     else:
-        gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks)
+        gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages,
+                      min_blocks=q.min_blocks_for(model))
     return [gemv, *gemms]
 
 
@@ -408,7 +409,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
         kernels = {}
         for k in sorted(k for f, k in pairs if f == name):
             check_k(fmt, k)
-            for t in (*tunings(spec, fmt, k), *(e for e in extra if fmt.mma or not e.mma)):
+            for t in (*tunings(spec, fmt, k, model.name), *(e for e in extra if fmt.mma or not e.mma)):
                 t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
                 if t.smem(fmt, k) > spec.chip.smem_per_block:
                     raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {t.smem(fmt, k)} bytes of shared memory; "
@@ -439,10 +440,11 @@ class QMatmul:
     quantized formats X is first quantized (qquant_x) into a scratch buffer this object owns: calls that may run
     at the same time on different streams need one QMatmul each."""
 
-    def __init__(self, module, spec: ChipSpec, fmt: str, k: int, kernels: Sequence[Tuning] | None = None):
+    def __init__(self, module, spec: ChipSpec, fmt: str, k: int, kernels: Sequence[Tuning] | None = None,
+                 model: str | None = None):
         self.fmt, self.k = fmt_of(fmt), k
         self.row_bytes = self.fmt.row_bytes(k)
-        self.tunings = list(kernels or tunings(spec, self.fmt, k))
+        self.tunings = list(kernels or tunings(spec, self.fmt, k, model))
         self.mma_from = spec.tuning.qgemv.gemm_mma_from
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
         for t, kernel in self.kernels.items():
