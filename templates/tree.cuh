@@ -105,6 +105,10 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
         slots[s] = pos % K;
     }
     __syncthreads();
+    // One step (a decode step, or a commit of one token): each item writes its own channels' inputs into the ring
+    // as it reads them (deltanet_writes_channel, as the megakernel does): their slot, position % K, is in no window
+    // of this launch. More steps: the last item to finish writes the path's (below).
+    const bool own_ring = commit && steps == 1;
     for (int e = threadIdx.x; e < steps * F; e += THREADS) {
         const int s = e / F, c = e % F;
         const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
@@ -116,11 +120,13 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
                              : T.conv_ring + (size_t)(-2 - src) * C + ch;
         };
         const int ch = deltanet_channel<M>(c, kh, vh, j0);
-        fronts[e] = deltanet_conv<M>(T.conv_w, ch, load_coherent(row + ch), [&](int t, float& y) {
+        const float x = load_coherent(row + ch);
+        fronts[e] = deltanet_conv<M>(T.conv_w, ch, x, [&](int t, float& y) {
             const float* p = from_window(ch, t);
             if (p) y = load_coherent(p);
             return p != nullptr;
         });
+        if (own_ring && deltanet_writes_channel<M>(c, vh, slice)) T.conv_ring[(size_t)slots[0] * C + ch] = x;
     }
     __syncthreads();
     for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
@@ -159,10 +165,11 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
             const int j = warp + w * P::WARPS, i = lane + 32 * r;
             if (j < P::SLICE && i < DK) state[(size_t)j * DK + i] = S[w][r];
         }
-    // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps), RING_BATCH
-    // loads in flight per thread (the ring and the rows may alias for the compiler, which would otherwise wait for
-    // each load before the next store: ~80 round trips a row on the 27B).
-    if (last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
+    // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps: a step's
+    // slot may be in another's window), RING_BATCH loads in flight per thread (the ring and the rows may alias for
+    // the compiler, which would otherwise wait for each load before the next store: ~80 round trips a row on the
+    // 27B).
+    if (!own_ring && last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
         for (int s = max(0, steps - K); s < steps; ++s) {
             const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
             float* ring = T.conv_ring + (size_t)slots[s] * C;
