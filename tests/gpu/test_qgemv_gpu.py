@@ -35,11 +35,13 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 
 
 # other tunings (threads, rows per warp, M-tile, span, the warps' shared-memory rings, int8 tensor cores for the
-# formats that have them, one or two row tiles a block): the same arithmetic, so the same bits
+# formats that have them, one or two row tiles a block, a floor of blocks an SM): the same arithmetic, so the same
+# bits
 VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning(128, 1, 16, 1),
             qgemv.Tuning(256, 2, 4, 2), qgemv.Tuning(256, 1, 1, 2, 4), qgemv.Tuning(128, 2, 1, 1, 2),
             qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 8, 1, 3, mma=True),
-            qgemv.Tuning(256, 1, 16, 1, 2, mma=True), qgemv.Tuning(256, 2, 8, 1, 2, mma=True)]
+            qgemv.Tuning(256, 1, 16, 1, 2, mma=True), qgemv.Tuning(256, 2, 8, 1, 2, mma=True),
+            qgemv.Tuning(256, 1, 1, 1, min_blocks=6)]  # the 27B's GEMV floor (specs/h200 model_min_blocks)
 
 
 @pytest.fixture(scope="module", params=["device", "rtx3090"])
