@@ -13,12 +13,13 @@
 // keeping every node's state in global scratch would write and read N of them (64 MiB for Qwen3.5-0.8B at N = 64).
 // Node n's conv window runs along its parent chain (the ancestors' raw inputs, rows of `mixed`) and past the root
 // into the committed conv ring. Commit replays the accepted path, a chain, through the same schedule code with the
-// state written back, and the last block to finish writes the path's raw inputs into the ring.
+// state written back, and the last block to finish writes the path's raw inputs into the ring (a one-step commit,
+// the decode step: each block its own channels').
 //
 // Attention. tree_attention_kv writes node n's K (k_norm, RoPE at start + depth[n]) and V to cache row start + n;
-// tree_attention runs the decode step's flash-decoding item for node n over positions 0 .. start + depth[n],
-// reading position p >= start from the row of n's ancestor at depth p - start (the ancestor mask). Commit moves the
-// accepted rows to start .. start + len - 1.
+// tree_attention runs a flash-decoding item (attention_item_gqa, whose 1-node tree is the layer-by-layer step's decode
+// step) for node n over positions 0 .. start + depth[n], reading position p >= start from the row of n's ancestor at
+// depth p - start (the ancestor mask). Commit moves the accepted rows to start .. start + len - 1.
 #pragma once
 #include "mk_attention.cuh"
 
