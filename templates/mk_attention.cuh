@@ -105,11 +105,18 @@ __device__ __noinline__ float2 cos_sin(float angle) {
     return make_float2(static_cast<float>(c), static_cast<float>(s));
 }
 
+// The floats at the start of an item's shared memory (QueryWork): its queries, this token's key and value, RoPE's
+// cos and sin.
+template <class M>
+constexpr int query_work_floats() {
+    return (M::ATT_NH / M::ATT_NKV + 2) * M::ATT_HD + M::ATT_ROT;
+}
+
 // Shared memory of one item, in floats: the larger of the carve-ups of attention_item and attention_merge.
 template <class M, int WARPS, int BLOCKS>
 constexpr int attention_work_floats() {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD;
-    constexpr int item = G * HD + 2 * HD + M::ATT_ROT + 2 * WARPS + WARPS * HD;
+    constexpr int item = query_work_floats<M>() + 2 * WARPS + WARPS * HD;
     constexpr int merge = (BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G;
     return item > merge ? item : merge;
 }
@@ -172,15 +179,27 @@ struct NoWait {
     __device__ __forceinline__ void operator()() const {}
 };
 
-// The start of a work item of kv head g: q [G][HD] = its query heads, normed, rotated and scaled, in shared
-// memory; with holds_pos, this token's K (normed, rotated) and V written to cache row `pos` first (k and v: HD floats
-// each of shared memory). wait() (block-wide) returns once the in-projection rows are written; the RoPE angles
-// are worked out before it. Ends with the block synchronised.
+// The start of an item's shared memory `work`: q [G][HD] its query heads (normed, rotated, scaled), k and v [HD]
+// this token's key and value (the item holding its position), cos and sin [ROT / 2] each; `rest` the floats past
+// them.
+template <class M>
+struct QueryWork {
+    float *q, *k, *v, *cs, *sn, *rest;
+    __device__ explicit QueryWork(float* work)
+        : q(work), k(q + M::ATT_NH / M::ATT_NKV * M::ATT_HD), v(k + M::ATT_HD), cs(v + M::ATT_HD),
+          sn(cs + M::ATT_ROT / 2), rest(sn + M::ATT_ROT / 2) {}
+};
+
+// The start of a work item of kv head g: w.q = its query heads, normed, rotated and scaled; with holds_pos, this
+// token's K (normed, rotated) and V written to cache row `pos` first (through w.k and w.v). wait() (block-wide)
+// returns once the in-projection rows are written; the RoPE angles are worked out before it. Ends with the block
+// synchronised.
 template <class M, int THREADS, class Wait>
-__device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g, int pos, bool holds_pos, float* q,
-                                                  float* k, float* v, float* cs, float* sn, Wait wait) {
+__device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g, int pos, bool holds_pos,
+                                                  const QueryWork<M>& w, Wait wait) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *q = w.q, *k = w.k, *v = w.v, *cs = w.cs, *sn = w.sn;
     // RoPE angles as HF computes them: fp32 position times fp32 inv_freq, then cos/sin of that fp32 angle.
     for (int i = threadIdx.x; i < ROT / 2; i += THREADS) {
         const float2 t = cos_sin(static_cast<float>(pos) * M::inv_freq(i));
@@ -222,16 +241,12 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
     const int2 ch = attention_chunks<M>(n, gridDim.x);
     const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
-
-    float* q = work;                 // [G][HD] normed, rotated, scaled queries
-    float* k = q + G * HD;           // [HD] this token's key (the item holding position pos)
-    float* v = k + HD;               // [HD] and value
-    float* cs = v + HD;              // [ROT/2] cos, then [ROT/2] sin
-    float* sn = cs + ROT / 2;
-    float* wm = sn + ROT / 2;        // [WARPS] per-warp max, then [WARPS] sum
+    const QueryWork<M> w(work);
+    const float* q = w.q;
+    float* wm = w.rest;              // [WARPS] per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;        // [WARPS][HD]
-    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, q, k, v, cs, sn, wait);
+    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, w, wait);
 
     // Warp w attends query head h = w % G at positions first + w / G, + count, ... (the `count` warps of a head
     // split its positions), holding one head's online softmax (max, sum, HD/32 outputs per lane) in registers.
@@ -325,7 +340,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
 template <class M, int WARPS, int BLOCKS>
 constexpr int attention_gqa_work_floats() {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD;
-    constexpr int item = G * HD + 2 * HD + M::ATT_ROT + WARPS * 32 + 2 * WARPS + WARPS * HD;
+    constexpr int item = query_work_floats<M>() + WARPS * 32 + 2 * WARPS + WARPS * HD;
     constexpr int merge = (BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G;
     return item > merge ? item : merge;
 }
@@ -362,17 +377,13 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
     const int2 ch = attention_chunks<M>(n, gridDim.x);
     const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
-
-    float* q = work;              // [G][HD] normed, rotated, scaled queries
-    float* k = q + G * HD;        // [HD] this token's key (the item holding position pos)
-    float* v = k + HD;            // [HD] and value
-    float* cs = v + HD;           // [ROT/2] cos, then [ROT/2] sin
-    float* sn = cs + ROT / 2;
-    float* sc = sn + ROT / 2;     // [WARPS][32] a round's scores
+    const QueryWork<M> w(work);
+    const float* q = w.q;
+    float* sc = w.rest;           // [WARPS][32] a round's scores
     float* wm = sc + WARPS * 32;  // [WARPS] a head's per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;     // [WARPS][HD] a head's per-warp outputs
-    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, q, k, v, cs, sn, NoWait{});
+    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, w, NoWait{});
 
     const auto chunk = [&](int u) { return min(lane + 32 * u, HD / 8 - 1); };  // lanes past HD / 8: dropped
     const auto to_f32 = [](uint4 w, float (&f)[8]) {
