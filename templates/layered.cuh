@@ -1,8 +1,9 @@
 // layered.cuh: the small per-token-row kernels of the layer-by-layer step (lucegen/engine/layered.py) between its
 // quantized projections (qgemv.cuh) and its mixers (the tree kernels, tree.cuh). Rows are fp32; a token row is one
-// block's where the kernel normalises the whole row, else spread over blocks (SiLU x up; the DeltaNet norm's heads).
+// block's where the kernel normalises the whole row, else spread over blocks (SiLU x up). The DeltaNet gated norm runs
+// in the tree DeltaNet kernel (tree.cuh).
 #pragma once
-#include "mk_attention.cuh"
+#include "activation.cuh"
 #include "norm.cuh"
 #include "quant.cuh"
 

@@ -278,33 +278,38 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
     deltanet_update<M, THREADS, true>(S, work, gt, state, L.out + vh * DV + j0);
 }
 
-// The gated RMSNorm of the head outputs (weight w [dv], gate z = silu(z)) into shared memory as the staged input of
-// the out-projection, heads [h0, h1). Warp h normalises heads h0 + h, h0 + h + WARPS, ...: one pass over the head's outputs and gates (their
-// loads in flight together) stages w o silu(z) and sums o^2, a second in shared memory scales it by 1 / rms(o).
-// Ends with __syncthreads.
+// Head h's gated RMSNorm (weight w [dv], gate silu(z)) through xs, by the calling warp: one pass over the head's
+// outputs and gates (their loads in flight together) stages w o silu(z) and sums o^2, a second scales it by
+// 1 / rms(o).
+template <class M, class XS>
+__device__ __forceinline__ void deltanet_gated_norm_head(const float* out, const float* z, const float* w, XS xs,
+                                                         int h) {
+    constexpr int DV = M::LIN_DV;
+    static_assert(DV % 4 == 0, "heads are whole float4 quads");
+    const int lane = threadIdx.x % 32;
+    const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
+    const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
+    float ss = 0.f;
+    for (int q = lane; q < DV / 4; q += 32) {
+        const float4 o = load_coherent(o4 + q), g = load_coherent(g4 + q);
+        const float4 s = reinterpret_cast<const float4*>(w)[q];
+        ss += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
+        xs.quad(h * DV / 4 + q) = make_float4(s.x * o.x * silu(g.x), s.y * o.y * silu(g.y),
+                                              s.z * o.z * silu(g.z), s.w * o.w * silu(g.w));
+    }
+    const float rstd = rsqrtf(warp_sum(ss) / DV + M::EPS);
+    for (int q = lane; q < DV / 4; q += 32) {
+        float4& v = xs.quad(h * DV / 4 + q);
+        v = make_float4(v.x * rstd, v.y * rstd, v.z * rstd, v.w * rstd);
+    }
+}
+
+// The gated RMSNorm of the head outputs into xs (shared memory as the staged input of the out-projection, or a
+// global row), heads [h0, h1): warp h takes heads h0 + h, h0 + h + WARPS, ... Ends with __syncthreads.
 template <class M, int THREADS, class XS>
 __device__ void deltanet_gated_norm(const float* out, const float* z, const float* w, XS xs, int h0 = 0,
                                     int h1 = M::LIN_HV) {
-    constexpr int DV = M::LIN_DV, WARPS = THREADS / 32;
-    static_assert(DV % 4 == 0, "heads are whole float4 quads");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int h = h0 + warp; h < h1; h += WARPS) {
-        const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
-        const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
-        float ss = 0.f;
-        for (int q = lane; q < DV / 4; q += 32) {
-            const float4 o = load_coherent(o4 + q), g = load_coherent(g4 + q);
-            const float4 s = reinterpret_cast<const float4*>(w)[q];
-            ss += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
-            xs.quad(h * DV / 4 + q) = make_float4(s.x * o.x * silu(g.x), s.y * o.y * silu(g.y),
-                                                  s.z * o.z * silu(g.z), s.w * o.w * silu(g.w));
-        }
-        const float rstd = rsqrtf(warp_sum(ss) / DV + M::EPS);
-        for (int q = lane; q < DV / 4; q += 32) {
-            float4& v = xs.quad(h * DV / 4 + q);
-            v = make_float4(v.x * rstd, v.y * rstd, v.z * rstd, v.w * rstd);
-        }
-    }
+    for (int h = h0 + threadIdx.x / 32; h < h1; h += THREADS / 32) deltanet_gated_norm_head<M>(out, z, w, xs, h);
     __syncthreads();
 }
 

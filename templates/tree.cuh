@@ -22,6 +22,7 @@
 // depth p - start (the ancestor mask). Commit moves the accepted rows to start .. start + len - 1.
 #pragma once
 #include "mk_attention.cuh"
+#include "quant.cuh"
 
 namespace lucegen {
 
@@ -49,7 +50,19 @@ struct TreeDeltaNet {
     int nodes, steps, levels, start;  // levels: the stack levels the schedule uses
     float* out;             // [N][Hv * dv] raw head outputs
     unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
+    const float* norm_w;    // [dv] the gated RMSNorm's weight
+    float* normed;          // [N][Hv * dv] the nodes' gated RMSNorm of out (with z), or null: out alone
+    XBlock* normed_q;       // [N][Hv * dv / 32] normed's XBlocks (the out-projection's activations), or null
+    unsigned* norm_tickets; // [Hv / heads a group] zero between uses (see deltanet_norm_heads)
 };
+
+// The value heads whose gated norms one block writes together: whole XBlocks of a row (32 values) are whole heads
+// (dv a multiple of 32), or a run of 32 / dv heads.
+template <class M>
+constexpr int deltanet_norm_heads() {
+    static_assert(M::LIN_DV % 32 == 0 || 32 % M::LIN_DV == 0, "value heads of whole XBlocks, or XBlocks of whole heads");
+    return M::LIN_DV % 32 == 0 ? 1 : 32 / M::LIN_DV;
+}
 
 // Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, then per step its gates, its
 // sums of squares of q and k, and its front (q, k and the slice's v after conv + SiLU).
@@ -157,20 +170,19 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
                 for (int r = 0; r < P::LANE_ROWS; ++r)
                     stack[save * Smem::LEVEL + (w * P::LANE_ROWS + r) * THREADS + threadIdx.x] = S[w][r];
     }
-    if (!commit) return;
-
+    if (commit)
 #pragma unroll
-    for (int w = 0; w < P::WARP_COLS; ++w)
+        for (int w = 0; w < P::WARP_COLS; ++w)
 #pragma unroll
-        for (int r = 0; r < P::LANE_ROWS; ++r) {
-            const int j = warp + w * P::WARPS, i = lane + 32 * r;
-            if (j < P::SLICE && i < DK) state[(size_t)j * DK + i] = S[w][r];
-        }
+            for (int r = 0; r < P::LANE_ROWS; ++r) {
+                const int j = warp + w * P::WARPS, i = lane + 32 * r;
+                if (j < P::SLICE && i < DK) state[(size_t)j * DK + i] = S[w][r];
+            }
     // Every block has read the ring's committed inputs: the last one writes the path's (its last K steps: a step's
     // slot may be in another's window), RING_BATCH loads in flight per thread (the ring and the rows may alias for
     // the compiler, which would otherwise wait for each load before the next store: ~80 round trips a row on the
     // 27B).
-    if (!own_ring && last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
+    if (commit && !own_ring && last_to_arrive(T.ticket, gridDim.x * gridDim.y, flag))
         for (int s = max(0, steps - K); s < steps; ++s) {
             const float* row = T.mixed + (size_t)step_node(schedule[s]) * T.stride;
             float* ring = T.conv_ring + (size_t)slots[s] * C;
@@ -184,6 +196,21 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
                 for (int b = 0; b < RING_BATCH; ++b)
                     if (c0 + b * THREADS < C) ring[c0 + b * THREADS] = v[b];
             }
+        }
+    // The gated RMSNorm of the nodes' outputs, here rather than in a launch of its own: the last of the blocks of a
+    // group of heads (deltanet_norm_heads) to finish norms the group in every node, a warp a node, and writes its
+    // XBlocks.
+    constexpr int HG = deltanet_norm_heads<M>();
+    if (T.normed != nullptr && last_to_arrive(T.norm_tickets + vh / HG, HG * gridDim.y, flag))
+        for (int s = warp; s < steps; s += P::WARPS) {
+            const size_t row = (size_t)step_node(schedule[s]) * M::LIN_VALUE_DIM;
+            const float* z = T.mixed + (size_t)step_node(schedule[s]) * T.stride + C;
+            const int h0 = vh / HG * HG;
+            for (int h = h0; h < h0 + HG; ++h)
+                deltanet_gated_norm_head<M>(T.out + row, z, T.norm_w, GlobalQuads{reinterpret_cast<float4*>(T.normed + row)}, h);
+            __syncwarp();  // the group's values are written before its XBlocks read them
+            if (T.normed_q != nullptr && lane < HG * DV / 32)
+                T.normed_q[(row + h0 * DV) / 32 + lane] = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
         }
 }
 

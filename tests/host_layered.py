@@ -161,28 +161,34 @@ class LayeredHostKernel:
             src, dst, n, ld, off = args
             m = grid[0]
             store(rows_of(dst, m, ld)[:, off:off + n], rows_of(src, m, n))
-        elif name == "layered_deltanet_norm":
-            out, mixed, w, y, xq = args
-            m, hv, dv = grid[0], c.linear_num_value_heads, c.linear_value_head_dim
-            z = rows_of(mixed, m, lin_rows)[:, C:C + VD].reshape(m, hv, dv)
-            store(rows_of(y, m, VD), gated_norm_reference(rows_of(out, m, VD).reshape(m, hv, dv), z, w.a,
-                                                          c.rms_norm_eps))
-            write_xblocks(xq, rows_of(y, m, VD))
         elif name == "layered_advance":
             io, tokens, m = args
             io.a[0] += m
             io.a[1] = tokens.a[m - 1]
         elif name == "tree_deltanet":
             (mixed, stride, conv_w, a_log, dt_bias, ring, state, parents, depth, codes, nodes, steps, levels, io,
-             start, out, ticket, commit) = args
+             start, out, ticket, commit, norm_w, normed, normed_q, _) = args
             start, X = _pos(io, start), mixed.a.reshape(-1, stride)
             assert X.shape[1] == lin_rows, "the in-projection rows' stride"
             O = out.a.reshape(-1, VD)
             tiled = self.unit == tree.unit_name(True)
+
+            def norm(rows):  # the gated RMSNorm of out's rows (and their XBlocks), where normed is given
+                if _array(normed) is None:
+                    return
+                hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+                N = normed.a.reshape(-1, VD)
+                N[rows] = gated_norm_reference(O[rows].reshape(-1, hv, dv), X[rows, C:C + VD].reshape(-1, hv, dv),
+                                               norm_w.a, c.rms_norm_eps).reshape(-1, VD)
+                if _array(normed_q) is not None:
+                    Q = normed_q.a.reshape(-1, VD // 32 * qgemv.XBLOCK_BYTES)
+                    Q[rows] = qgemv.xblocks(N[rows]).reshape(len(rows), -1)
+
             if not commit:
                 o, _, _ = tree.deltanet_reference(c, X[:nodes], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a,
                                                   parents.a[:nodes], start, tiled)
                 store(O[:nodes], o)
+                norm(list(range(nodes)))
                 return
             path = list(codes.a[:steps] & 0xFFFF)  # the schedule of a commit (or the decode step) is the path
             chain = [-1, *range(len(path) - 1)]
@@ -194,6 +200,7 @@ class LayeredHostKernel:
             store(state.a, new_state)
             for i, n in enumerate(path):
                 store(O[n], o[i])
+            norm(path)
         elif name == "tree_attention_kv":
             qkv, stride, k_norm, keys, values, depth, io, start = args
             n, start = grid[0], _pos(io, start)

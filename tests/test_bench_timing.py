@@ -123,7 +123,7 @@ def test_layered_step_kernel_kinds_drop_the_shape_and_keep_the_format():
         q = spec.tuning.qgemv
         gemv = lambda f: f"qgemv_bulk_{f}" if q.bulk_stages and f in q.bulk_formats else f"qgemv_{f}"  # (its own)
         assert {kernel_kind(n) for n in names} == {
-            "layered_embed", "layered_add_rmsnorm", "layered_silu_mul", "layered_place", "layered_deltanet_norm",
+            "layered_embed", "layered_add_rmsnorm", "layered_silu_mul", "layered_place",
             "layered_advance", "tree_deltanet", "tree_attention_kv", "tree_attention", "tree_kv_commit",
             "qgemm_q4_k", "qdequant_q4_k", "qgemm_q6_k", "qdequant_q6_k", "qquant_x", gemv("q4_k"), gemv("q6_k"),
             "argmax_f32", *mma}, spec.name

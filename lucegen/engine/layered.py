@@ -61,6 +61,12 @@ def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
     return a.view((m, width), offset_bytes=4 * first * width)
 
 
+def xblock_rows(xq: DeviceArray | None, m: int, width: int, first: int = 0) -> DeviceArray | None:
+    """The XBlocks of those rows in a buffer of XBlock rows (None: None)."""
+    row = width // 32 * qgemv.XBLOCK_BYTES
+    return None if xq is None else xq.view(m * row, offset_bytes=first * row)
+
+
 class DecodeMixer:
     """The mixers of a step over m consecutive tokens: one 1-node tree (the decode step) per token, each after the
     previous one (its DeltaNet state, conv ring and K/V row updated in place, at position io[0] + t)."""
@@ -73,12 +79,15 @@ class DecodeMixer:
         """Where linear layer i's in-projection rows go (the step's scratch: nothing reads them after the layer)."""
         return self.step.proj
 
-    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream) -> None:
+    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream, normed, normed_q) -> None:
+        """The DeltaNet mixer of linear layer i: raw head outputs into out, their gated RMSNorm into normed and its
+        XBlocks into normed_q (None: none)."""
         s, c = self.step, self.step.cfg
         for t in range(m):
+            norm = (L["norm"], rows(normed, 1, c.value_dim, t), xblock_rows(normed_q, 1, c.value_dim, t))
             s.tree.decode_deltanet(rows(mixed, 1, L["lin_in"].n, t), L["conv"], L["a_log"], L["dt_bias"],
                                    s.state.conv[i], s.state.recurrent[i], rows(out, 1, c.value_dim, t), t, s.io,
-                                   stream=stream)
+                                   stream=stream, norm=norm)
 
     def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
         s, c = self.step, self.step.cfg
@@ -198,8 +207,7 @@ class LayeredStep:
             if kind == LINEAR:
                 mixed = mixer.in_rows(i)
                 self.project(L["lin_in"], self.h, mixed, m, stream, hq)
-                mixer.linear(L, i, mixed, self.mix_out, m, stream)
-                k.deltanet_norm(self.mix_out, mixed, L["norm"], self.normed, m, stream=stream, xq=normedq)
+                mixer.linear(L, i, mixed, self.mix_out, m, stream, self.normed, normedq)
                 self.project(L["lin_out"], self.normed, self.y, m, stream, normedq)
             else:
                 self.project(L["att_in"], self.h, self.proj, m, stream, hq)

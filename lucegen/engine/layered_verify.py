@@ -22,7 +22,7 @@ import numpy as np
 from ..kernels.megakernel import lin_in_rows
 from ..runtime import DeviceArray
 from .base import ContextOverflow
-from .layered import LayeredStep, rows
+from .layered import LayeredStep, rows, xblock_rows
 
 
 class TreeMixer:
@@ -38,10 +38,12 @@ class TreeMixer:
     def in_rows(self, i: int) -> DeviceArray:
         return self.mixed[i]
 
-    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream) -> None:
+    def linear(self, L: Mapping, i: int, mixed, out, m: int, stream, normed, normed_q) -> None:
         s, c = self.step, self.step.cfg
+        norm = (L["norm"], rows(normed, m, c.value_dim), xblock_rows(normed_q, m, c.value_dim))
         s.tree.deltanet(self.tree, rows(mixed, m, L["lin_in"].n), L["conv"], L["a_log"], L["dt_bias"],
-                        s.state.conv[i], s.state.recurrent[i], rows(out, m, c.value_dim), 0, s.io, stream=stream)
+                        s.state.conv[i], s.state.recurrent[i], rows(out, m, c.value_dim), 0, s.io, stream=stream,
+                        norm=norm)
 
     def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
         s, c = self.step, self.step.cfg

@@ -1,5 +1,5 @@
 """The per-layer row kernels of the layer-by-layer step (lucegen/engine/layered.py): embedding gather of a quantized
-table, residual add + RMSNorm, SiLU x up, column placement into fused rows, the DeltaNet gated RMSNorm: numpy
+table, residual add + RMSNorm, SiLU x up, column placement into fused rows: numpy
 references, unit, launchers. The step's mixers are the tree kernels (lucegen/kernels/tree.py).
 
 Rows are fp32 (what qgemv.QMatmul reads and writes). The step's positions and token ids come from the device
@@ -15,10 +15,8 @@ from ..codegen.unit import KernelSig, KernelUnit
 from ..model.config import ModelConfig
 from ..reference.ops import rms_norm, silu
 from ..spec import ChipSpec
-from .megakernel import lin_in_rows
 from .qgemv import fmt_of
 
-NORM_WARPS = 8  # the DeltaNet gated RMSNorm's block: a warp per value head
 SILU_CHUNK = 4  # SiLU x up: a block takes this many values per thread of a row (whole XBlocks: threads are warps)
 NORM_CHUNK = 2  # add + RMSNorm: likewise (each block also reads the whole row, for its sum of squares)
 
@@ -67,14 +65,11 @@ def units(spec: ChipSpec, model: ModelConfig, embed_fmts=None) -> list[KernelUni
     for name in embed_fmts:
         fmt = fmt_of(name)
         params = dict(hidden=cfg.hidden_size, inter=cfg.intermediate_size, eps=hexf(cfg.rms_norm_eps),
-                      lin=dict(hv=cfg.linear_num_value_heads, dv=cfg.linear_value_head_dim, value_dim=cfg.value_dim,
-                               conv_dim=cfg.conv_dim, in_rows=lin_in_rows(cfg)),
-                      embed_fmt=fmt.name, embed_cls=fmt.cls, row_threads=rt, norm_threads=32 * NORM_WARPS,
-                      silu_chunk=SILU_CHUNK * rt, norm_chunk=NORM_CHUNK * rt)
+                      embed_fmt=fmt.name, embed_cls=fmt.cls, row_threads=rt, silu_chunk=SILU_CHUNK * rt,
+                      norm_chunk=NORM_CHUNK * rt)
         out.append(KernelUnit(unit_name(fmt.name), "layered.cu.j2", params, (
             KernelSig("layered_embed", rt), KernelSig("layered_add_rmsnorm", rt), KernelSig("layered_silu_mul", rt),
-            KernelSig("layered_place", rt), KernelSig("layered_deltanet_norm", 32 * NORM_WARPS),
-            KernelSig("layered_advance", 1))))
+            KernelSig("layered_place", rt), KernelSig("layered_advance", 1))))
     return out
 
 
@@ -91,10 +86,9 @@ class LayerKernels:
         self.cfg, self.row_threads = cfg, spec.tuning.norm.threads
         self.silu_blocks = -(-cfg.intermediate_size // (SILU_CHUNK * self.row_threads))
         self.add_norm_blocks = -(-cfg.hidden_size // (NORM_CHUNK * self.row_threads))
-        self.norm_blocks = -(-cfg.linear_num_value_heads // NORM_WARPS)
         k = lambda name: module.kernel(f"layered_{name}")
         self._embed, self._add_norm, self._silu_mul, self._place = k("embed"), k("add_rmsnorm"), k("silu_mul"), k("place")
-        self._dn_norm, self._advance = k("deltanet_norm"), k("advance")
+        self._advance = k("advance")
 
     def embed(self, table, io, x, m: int, stream=None) -> None:
         self._embed(m, self.row_threads, table, io, x, stream=stream)
@@ -112,9 +106,6 @@ class LayerKernels:
 
     def place(self, src, dst, n: int, ld: int, off: int, m: int, stream=None) -> None:
         self._place(m, self.row_threads, src, dst, n, ld, off, stream=stream)
-
-    def deltanet_norm(self, out, mixed, w, y, m: int, stream=None, xq=None) -> None:
-        self._dn_norm((m, self.norm_blocks), 32 * NORM_WARPS, out, mixed, w, y, _null(xq), stream=stream)
 
     def advance(self, io, tokens, m: int, stream=None) -> None:
         """io = [position + m, tokens[m - 1]]: the next one-token step continues greedily."""

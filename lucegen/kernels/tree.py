@@ -216,6 +216,13 @@ def dn_slice(cfg: ModelConfig) -> int:
     return max(d for d in range(1, min(DN_SLICE, cfg.linear_value_head_dim) + 1) if cfg.linear_value_head_dim % d == 0)
 
 
+def norm_heads(cfg: ModelConfig) -> int:
+    """The value heads whose gated norms tree_deltanet writes together (tree.cuh: deltanet_norm_heads): 1 where a
+    head is whole XBlocks, else the 32 / dv heads of one."""
+    dv = cfg.linear_value_head_dim
+    return 1 if dv % 32 == 0 else 32 // dv
+
+
 def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
     """Dynamic shared memory of tree_deltanet for a schedule of `steps` steps using `levels` stack levels
     (templates/tree.cuh: TreeDeltaNetSmem): the levels, then per step its gates, sums and front."""
@@ -230,6 +237,10 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
     if att_threads(cfg) > ATT_MAX_THREADS:
         return (f"{cfg.name}: {group} query heads per kv head need {att_threads(cfg)} threads in the tree attention; "
                 f"it takes at most {ATT_MAX_THREADS}")
+    dv, hv = cfg.linear_value_head_dim, cfg.linear_num_value_heads
+    if not (dv % 32 == 0 or 32 % dv == 0) or hv % norm_heads(cfg):
+        return (f"{cfg.name}: DeltaNet value heads of {dv} are neither whole XBlocks of 32 values nor a share of "
+                f"{hv} heads' whole XBlocks")
     max_nodes = spec.tuning.ddtree.capacity + 1
     smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
@@ -307,6 +318,7 @@ class TreeKernels:
         self.part_ml = DeviceArray.empty(part * 2, np.float32)
         self.part_acc = DeviceArray.empty(part * cfg.head_dim, np.float32)
         self.tickets = DeviceArray.zeros(self.max_nodes * cfg.num_key_value_heads + 1, np.uint32)
+        self.norm_tickets = DeviceArray.zeros(cfg.linear_num_value_heads // norm_heads(cfg), np.uint32)
         # [parents | depth | schedule | path] of a round's tree, then of the 1-node tree
         self.ints = DeviceArray.empty(4 * self.max_nodes + 3, np.int32)
         self.ints.view(3, np.int32, 16 * self.max_nodes).copy_from(np.array([-1, 0, 0], np.int32))
@@ -337,19 +349,23 @@ class TreeKernels:
         return len(path)
 
     def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, steps, levels, codes,
-                  commit, stream):
+                  commit, stream, norm=None):
         cfg = self.cfg
         grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
         ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
+        w, normed, normed_q = norm or (NULL, NULL, NULL)
         self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, int(commit),
-                 smem=dn_smem(cfg, levels, steps), stream=stream)
+                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, int(commit), w, normed,
+                 NULL if normed_q is None else normed_q, self.norm_tickets, smem=dn_smem(cfg, levels, steps),
+                 stream=stream)
 
     def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
-                 stream=None) -> None:
-        """Raw head outputs out [N, Hv * dv] of every node; the committed ring and state are only read."""
+                 stream=None, norm=None) -> None:
+        """Raw head outputs out [N, Hv * dv] of every node; the committed ring and state are only read. norm = (w,
+        normed, normed_q): also normed [N, Hv * dv] = the gated RMSNorm (weight w, gate z from mixed) of out, and its
+        XBlocks into normed_q (None: none)."""
         self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, tree.n, tree.levels,
-                       tree.d_schedule, False, stream)
+                       tree.d_schedule, False, stream, norm)
 
     def deltanet_commit(self, tree: DeviceTree, length: int, mixed, conv_w, a_log, dt_bias, ring, state, out,
                         start: int, io=None, stream=None) -> None:
@@ -359,11 +375,11 @@ class TreeKernels:
                        True, stream)
 
     def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
-                        stream=None) -> None:
-        """The decode step at position start: out [1, Hv * dv]; ring and state advanced."""
+                        stream=None, norm=None) -> None:
+        """The decode step at position start: out [1, Hv * dv]; ring and state advanced; norm as deltanet's."""
         t = self.single
         self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, 1, 0, t.d_schedule, True,
-                       stream)
+                       stream, norm)
 
     def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, io=None, stream=None) -> None:
         """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
@@ -390,5 +406,5 @@ class TreeKernels:
                      stream=stream)
 
     def free(self) -> None:
-        for a in (self.part_ml, self.part_acc, self.tickets, self.ints):
+        for a in (self.part_ml, self.part_acc, self.tickets, self.norm_tickets, self.ints):
             a.free()

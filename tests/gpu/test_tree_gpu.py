@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lucegen.codegen.build import build
-from lucegen.kernels import tree
+from lucegen.kernels import qgemv, tree
+from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.model.config import load_config, tiny_config
 from lucegen.reference import relative_error
 from lucegen.runtime import DeviceArray, synchronize
@@ -30,7 +31,7 @@ from lucegen.spec import spec_for_current_device
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-DN_RTOL, KV_RTOL, ATT_RTOL = 2e-4, 4e-3, 1e-5
+DN_RTOL, KV_RTOL, ATT_RTOL, NORM_RTOL = 2e-4, 4e-3, 1e-5, 1e-6
 MODELS = {"tiny": tiny_config, "0.8b": lambda: load_config("qwen3.5-0.8b"), "27b": lambda: load_config("qwen3.5-27b"),
           # 8 query heads a kv head: the tree attention's warps take 4 heads each, two warps a position
           "tiny-g8": lambda: tiny_config(num_attention_heads=8, num_key_value_heads=1)}
@@ -98,18 +99,40 @@ def deltanet_inputs(cfg, n, start, rng):
                 dt_bias=rng.uniform(-1, 1, Hv).astype(np.float32), ring=ring, state=state)
 
 
-def run_deltanet(k: tree.TreeKernels, x, parents, start, path=None):
-    """(out, ring, state) after a verify (and, with a path, its commit) on device copies of x's ring and state."""
+def run_deltanet(k: tree.TreeKernels, x, parents, start, path=None, norm_w=None):
+    """(out, ring, state) after a verify (and, with a path, its commit) on device copies of x's ring and state;
+    with norm_w, then (normed, its XBlocks) of the verify too (poisoned past the nodes' rows)."""
     t = k.tree(parents)
     d = {name: dev(a) for name, a in x.items()}
-    out = poisoned((len(parents), k.cfg.value_dim), np.float32)
-    k.deltanet(t, d["mixed"], d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], out, start)
+    n, VD = len(parents), k.cfg.value_dim
+    out = poisoned((n, VD), np.float32)
+    normed, normed_q = poisoned((n, VD), np.float32), poisoned(n * VD // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8)
+    norm = None if norm_w is None else (dev(norm_w), normed, normed_q)
+    k.deltanet(t, d["mixed"], d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], out, start, norm=norm)
     if path is not None:
         length = k.set_path(t, path)
         k.deltanet_commit(t, length, d["mixed"], d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], out,
                           start)
     synchronize()
+    if norm_w is not None:
+        return out.numpy(), d["ring"].numpy(), d["state"].numpy(), normed.numpy(), normed_q.numpy()
     return out.numpy(), d["ring"].numpy(), d["state"].numpy()
+
+
+def norm_inputs(cfg, rng) -> np.ndarray:
+    return rng.standard_normal(cfg.linear_value_head_dim, np.float32) * np.float32(0.1) + np.float32(1)
+
+
+def assert_normed(cfg, out, mixed, w, normed, normed_q) -> None:
+    """normed is the gated RMSNorm of out (gate z from mixed) and normed_q its XBlocks (qgemv.xblocks, bit for bit),
+    nothing written past them."""
+    n, hv, dv, C, VD = len(out), cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim, cfg.value_dim
+    want = gated_norm_reference(out.reshape(n, hv, dv), mixed[:n, C:C + VD].reshape(n, hv, dv), w,
+                                cfg.rms_norm_eps).reshape(n, VD)
+    assert rel_err(normed, want) < NORM_RTOL
+    xq = qgemv.xblocks(normed).ravel()
+    np.testing.assert_array_equal(normed_q[:xq.size], xq)
+    assert (normed_q[xq.size:] == 0xFF).all(), "XBlocks written past the nodes' rows"
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -122,10 +145,12 @@ def test_deltanet_verify_matches_reference(kernels, model, kind, n, start, seed)
     n = min(n, k.max_nodes)
     rng = np.random.default_rng(seed)
     parents, x = make_tree(kind, n, rng), deltanet_inputs(k.cfg, n, start, rng)
-    out, ring, state = run_deltanet(k, x, parents, start)
+    w = norm_inputs(k.cfg, rng)
+    out, ring, state, normed, normed_q = run_deltanet(k, x, parents, start, norm_w=w)
     ref, _, _ = tree.deltanet_reference(k.cfg, x["mixed"], x["conv_w"], x["a_log"], x["dt_bias"],
                                         np.nan_to_num(x["ring"]), x["state"], parents, start)
     assert rel_err(out, ref) < DN_RTOL
+    assert_normed(k.cfg, out, x["mixed"], w, normed, normed_q)
     # verify leaves the committed state alone
     assert np.array_equal(ring, x["ring"], equal_nan=True) and np.array_equal(state, x["state"], equal_nan=True)
 
@@ -153,11 +178,16 @@ def test_deltanet_commit_is_sequential_decode(kernels, model, kind, n, start, se
 
     d = {name: dev(a) for name, a in x.items()}
     o = poisoned((1, k.cfg.value_dim), np.float32)
-    for i, node in enumerate(path):  # the decode step, token by token
+    w = norm_inputs(k.cfg, rng)
+    for i, node in enumerate(path):  # the decode step, token by token, with the gated norm
         step = dev(x["mixed"][node:node + 1])
-        k.decode_deltanet(step, d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], o, start + i)
+        normed = poisoned((1, k.cfg.value_dim), np.float32)
+        normed_q = poisoned(k.cfg.value_dim // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8)
+        k.decode_deltanet(step, d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], o, start + i,
+                          norm=(dev(w), normed, normed_q))
         synchronize()
         assert np.array_equal(o.numpy()[0], out[node]), f"node {node}: verify output differs from its decode step"
+        assert_normed(k.cfg, o.numpy(), x["mixed"][node:node + 1], w, normed.numpy(), normed_q.numpy())
     assert np.array_equal(ring[live], d["ring"].numpy()[live]) and np.array_equal(state, d["state"].numpy())
 
 
