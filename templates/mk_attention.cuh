@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "grid.cuh"
 #include "mk_deltanet.cuh"
+#include "quant.cuh"
 
 namespace lucegen {
 
@@ -24,6 +25,7 @@ struct AttentionLayer {
     float* part_acc;        // [n_kv][chunks][G][head_dim] per-item unnormalised outputs
     unsigned* tickets;      // [n_kv], zero between uses
     float* out;             // [n_heads * head_dim] gated attention output
+    XBlock* out_q;          // [n_heads * head_dim / 32] out's XBlocks (the out-projection's activations), or null
 };
 
 // How the context of n positions is cut: chunk length and count (the same in every block).
@@ -166,6 +168,12 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
         }
         L.out[(g * G + h) * HD + d] = a / total[h] * sigmoid(gate);
     }
+    if constexpr (G * HD % 32 == 0)
+        if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of their own
+            __syncthreads();
+            for (int i = threadIdx.x; i < G * HD / 32; i += THREADS)
+                L.out_q[g * G * HD / 32 + i] = quantize_xblock(L.out + g * G * HD + 32 * i);
+        }
     static_assert(G <= WARPS, "one warp per head");
 }
 

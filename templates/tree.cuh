@@ -228,6 +228,7 @@ struct TreeAttention {
     float* part_acc;        // [N][n_kv][chunks][G][head_dim]
     unsigned* tickets;      // [N][n_kv], zero between uses
     float* out;             // [N][n_heads * head_dim] gated attention outputs
+    XBlock* out_q;          // [N][n_heads * head_dim / 32] their XBlocks, or null
 };
 
 // Node n's K and V row of kv head g into cache row start + n, as the decode step's item computes its own.
@@ -275,7 +276,8 @@ __device__ void tree_attention_item(const TreeAttention& T, int item, int node, 
     const size_t chunks = max(1, (int)gridDim.x / NKV);
     const AttentionLayer L{T.qkv + (size_t)node * T.stride, T.q_norm, T.k_norm, T.keys, T.values,
                            T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
-                           T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD};
+                           T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD,
+                           T.out_q ? T.out_q + (size_t)node * M::ATT_NH * HD / 32 : nullptr};
     const auto rows = [=](int p) { return p < start ? p : start + anc[p - start]; };
     attention_item_gqa<M, THREADS, decltype(rows), ROWS>(L, item, pos, work, flag, rows, writes_kv);
 }

@@ -209,7 +209,8 @@ class LayeredHostKernel:
             store(keys.a[start:start + n], k)
             store(values.a[start:start + n], v)
         elif name == "tree_attention":
-            (qkv, stride, q_norm, k_norm, keys, values, parents, depth, io, start, _, _, _, out, writes_kv) = args
+            (qkv, stride, q_norm, k_norm, keys, values, parents, depth, io, start, _, _, _, out, writes_kv,
+             out_q) = args
             n, start, Q = grid[1], _pos(io, start), qkv.a.reshape(-1, stride)
             if writes_kv:  # the decode step: a 1-node tree that writes its own K/V row
                 k, v = tree.attention_kv_reference(c, Q[:1], k_norm.a, [-1], start)
@@ -218,6 +219,7 @@ class LayeredHostKernel:
             o = tree.attention_reference(c, Q[:n], q_norm.a, keys.a.astype(np.float32),
                                          values.a.astype(np.float32), parents.a[:n], start)
             store(out.a.reshape(-1, o.shape[1])[:n], o)
+            write_xblocks(out_q, out.a.reshape(-1, o.shape[1])[:n])
         elif name == "tree_kv_commit":
             keys, values, path, length, io, start = args
             start = _pos(io, start)

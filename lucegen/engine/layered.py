@@ -12,9 +12,9 @@ One step over m tokens at positions p .. p+m-1 (rows fp32, [m, width]):
       MLP:      h = rmsnorm(x += y) -> gu = h [gate | up]^T -> act = silu(gate) up -> y = act down^T
     h = rmsnorm(x += y) with the final norm; logits = h lm_head^T; tokens = argmax per row
 Projections are qgemv.QMatmul (the GEMV for m = 1, the small-M GEMM otherwise; a GEMM row is bit for bit the GEMV
-of that row). Their quantized activations (8 bits per 32 values) are written by the row kernels that make the
-rows they read (add + RMSNorm, the gated norm, SiLU x up), not by a launch before each projection; the attention
-output alone is quantized by its projection's call. The mixers are the tree kernels (lucegen/kernels/tree.py), driven by a mixer object: DecodeMixer runs
+of that row). Their quantized activations (8 bits per 32 values) are written by the kernels that make the rows
+they read (add + RMSNorm, SiLU x up, the DeltaNet mixer's gated norm, the attention's merge), not by a launch
+before each projection. The mixers are the tree kernels (lucegen/kernels/tree.py), driven by a mixer object: DecodeMixer runs
 the m tokens one by one as 1-node trees (the decode step), so an M-token step is M decode steps' arithmetic exactly;
 a tree verify (lucegen/engine/layered_verify.py) runs the same layers over the N nodes of a draft tree at once
 through the same kernels, so each node's logits are its decode step's.
@@ -89,12 +89,14 @@ class DecodeMixer:
                                    s.state.conv[i], s.state.recurrent[i], rows(out, 1, c.value_dim, t), t, s.io,
                                    stream=stream, norm=norm)
 
-    def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
+    def full(self, L: Mapping, i: int, qkv, out, m: int, stream, out_q) -> None:
+        """The attention mixer of full layer i: gated outputs into out, their XBlocks into out_q (None: none)."""
         s, c = self.step, self.step.cfg
+        width = c.num_attention_heads * c.head_dim
         for t in range(m):
             s.tree.decode_attention(rows(qkv, 1, L["att_in"].n, t), L["q_norm"], L["k_norm"], s.state.keys[i],
-                                    s.state.values[i], rows(out, 1, c.num_attention_heads * c.head_dim, t), t,
-                                    s.io, stream=stream)
+                                    s.state.values[i], rows(out, 1, width, t), t, s.io, stream=stream,
+                                    out_q=xblock_rows(out_q, 1, width, t))
 
 
 class LayeredStep:
@@ -147,11 +149,13 @@ class LayeredStep:
         self.mix_out = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), np.float32)
         self.normed = DeviceArray.empty((n, c.value_dim), np.float32)
         self.act = DeviceArray.empty((n, c.intermediate_size), np.float32)
-        # the XBlocks of h, normed and act, written by the row kernels that make them, where a quantized matrix
-        # reads them (else None: the row kernels skip them)
-        self.hq, self.normedq, self.actq = (
-            DeviceArray.empty(n * width // 32 * qgemv.XBLOCK_BYTES, np.uint8) if self.quantized(width) else None
-            for width in (c.hidden_size, c.value_dim, c.intermediate_size))
+        # the XBlocks of h, normed, act and the attention output, written by the kernels that make them, where a
+        # quantized matrix reads them (else None: the kernels skip them, and the attention output's projection
+        # quantizes it itself where the attention cannot: tree.xblocks_in_merge)
+        xq = lambda width: DeviceArray.empty(n * width // 32 * qgemv.XBLOCK_BYTES, np.uint8) \
+            if self.quantized(width) else None
+        self.hq, self.normedq, self.actq = xq(c.hidden_size), xq(c.value_dim), xq(c.intermediate_size)
+        self.attq = xq(c.num_attention_heads * c.head_dim) if tree.xblocks_in_merge(c) else None
         self.logits = DeviceArray.empty((n, c.vocab_size), np.float32)
         self.tokens = DeviceArray.empty(n, np.int32)
 
@@ -211,8 +215,8 @@ class LayeredStep:
                 self.project(L["lin_out"], self.normed, self.y, m, stream, normedq)
             else:
                 self.project(L["att_in"], self.h, self.proj, m, stream, hq)
-                mixer.full(L, i, self.proj, self.mix_out, m, stream)
-                self.project(L["att_out"], self.mix_out, self.y, m, stream)  # quantized by its GEMVs
+                mixer.full(L, i, self.proj, self.mix_out, m, stream, self.attq)
+                self.project(L["att_out"], self.mix_out, self.y, m, stream, self.attq)
             add_norm(self.y, L["ln2"])
             self.project(L["gate_up"], self.h, self.proj, m, stream, hq)
             k.silu_mul(self.proj, self.act, m, stream=stream, xq=actq)
@@ -294,7 +298,7 @@ class LayeredStep:
         for g in self.graphs.values():
             g.destroy()
         for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed,
-                  self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq, self.features):
+                  self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq, self.attq, self.features):
             if a is not None:
                 a.free()
         for op in self.mm.values():  # their scratch: quantized or fp16 activations

@@ -45,13 +45,13 @@ class TreeMixer:
                         s.state.conv[i], s.state.recurrent[i], rows(out, m, c.value_dim), 0, s.io, stream=stream,
                         norm=norm)
 
-    def full(self, L: Mapping, i: int, qkv, out, m: int, stream) -> None:
+    def full(self, L: Mapping, i: int, qkv, out, m: int, stream, out_q) -> None:
         s, c = self.step, self.step.cfg
-        qkv = rows(qkv, m, L["att_in"].n)
+        qkv, width = rows(qkv, m, L["att_in"].n), c.num_attention_heads * c.head_dim
         keys, values = s.state.keys[i], s.state.values[i]
         s.tree.attention_kv(self.tree, qkv, L["k_norm"], keys, values, 0, s.io, stream=stream)
-        s.tree.attention(self.tree, qkv, L["q_norm"], keys, values, rows(out, m, c.num_attention_heads * c.head_dim),
-                         0, s.io, stream=stream)
+        s.tree.attention(self.tree, qkv, L["q_norm"], keys, values, rows(out, m, width), 0, s.io, stream=stream,
+                         out_q=xblock_rows(out_q, m, width))
 
     def commit(self, length: int, stream) -> None:
         """Every layer's commit of the path set on the tree kernels (set_path)."""

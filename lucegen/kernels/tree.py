@@ -216,6 +216,11 @@ def dn_slice(cfg: ModelConfig) -> int:
     return max(d for d in range(1, min(DN_SLICE, cfg.linear_value_head_dim) + 1) if cfg.linear_value_head_dim % d == 0)
 
 
+def xblocks_in_merge(cfg: ModelConfig) -> bool:
+    """Whether tree_attention can write its outputs' XBlocks: a kv head's outputs are whole XBlocks."""
+    return cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim % 32 == 0
+
+
 def norm_heads(cfg: ModelConfig) -> int:
     """The value heads whose gated norms tree_deltanet writes together (tree.cuh: deltanet_norm_heads): 1 where a
     head is whole XBlocks, else the 32 / dv heads of one."""
@@ -386,19 +391,23 @@ class TreeKernels:
         self._kv((tree.n, self.cfg.num_key_value_heads), KV_THREADS, qkv, qkv.shape[1], k_norm, keys, values,
                  tree.d_depth, _io(io), start, stream=stream)
 
-    def _attention(self, tree, qkv, q_norm, k_norm, keys, values, out, start, io, writes_kv, stream) -> None:
+    def _attention(self, tree, qkv, q_norm, k_norm, keys, values, out, start, io, writes_kv, stream,
+                   out_q=None) -> None:
         self._att((self.att_blocks, tree.n), self.att_threads, qkv, qkv.shape[1], q_norm, k_norm, keys, values,
                   tree.d_parents, tree.d_depth, _io(io), start, self.part_ml, self.part_acc, self.tickets, out,
-                  int(writes_kv), stream=stream)
+                  int(writes_kv), NULL if out_q is None else out_q, stream=stream)
 
     def attention(self, tree: DeviceTree, qkv, q_norm, keys, values, out, start: int, io=None,
-                  stream=None) -> None:
-        """Gated attention outputs out [N, n_heads * head_dim]; after attention_kv."""
-        self._attention(tree, qkv, q_norm, NULL, keys, values, out, start, io, False, stream)  # K/V rows written
+                  stream=None, out_q=None) -> None:
+        """Gated attention outputs out [N, n_heads * head_dim]; after attention_kv. out_q: their XBlocks too (where
+        a kv head's outputs are whole XBlocks: xblocks_in_merge)."""
+        self._attention(tree, qkv, q_norm, NULL, keys, values, out, start, io, False, stream, out_q)  # K/V written
 
-    def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, io=None, stream=None) -> None:
-        """The decode step at position start in one launch: its K/V row into row start, out [1, n_heads * head_dim]."""
-        self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, io, True, stream)
+    def decode_attention(self, qkv, q_norm, k_norm, keys, values, out, start: int, io=None, stream=None,
+                         out_q=None) -> None:
+        """The decode step at position start in one launch: its K/V row into row start, out [1, n_heads * head_dim]
+        (and its XBlocks into out_q, as attention's)."""
+        self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, io, True, stream, out_q)
 
     def kv_commit(self, length: int, keys, values, start: int, io=None, stream=None) -> None:
         """The accepted path's rows (set_path) moved to start .. start + length - 1."""

@@ -130,9 +130,7 @@ def assert_normed(cfg, out, mixed, w, normed, normed_q) -> None:
     want = gated_norm_reference(out.reshape(n, hv, dv), mixed[:n, C:C + VD].reshape(n, hv, dv), w,
                                 cfg.rms_norm_eps).reshape(n, VD)
     assert rel_err(normed, want) < NORM_RTOL
-    xq = qgemv.xblocks(normed).ravel()
-    np.testing.assert_array_equal(normed_q[:xq.size], xq)
-    assert (normed_q[xq.size:] == 0xFF).all(), "XBlocks written past the nodes' rows"
+    assert_xblocks_of(normed_q, normed)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -203,18 +201,29 @@ def attention_inputs(cfg, n, start, rng):
 
 
 def run_attention(k: tree.TreeKernels, x, parents, start, path=None):
-    """(out, keys, values) after attention_kv + attention (and, with a path, kv_commit)."""
+    """(out, keys, values, out's XBlocks or None) after attention_kv + attention (and, with a path, kv_commit)."""
     t = k.tree(parents)
     d = {name: dev(a) for name, a in x.items()}
     for buf in (d["keys"], d["values"]):  # node rows: written by attention_kv before anything reads them
         buf.view((len(parents), k.cfg.kv_dim), BF16, start * k.cfg.kv_dim * 2).fill_bytes(0xFF)
-    out = poisoned((len(parents), k.cfg.num_attention_heads * k.cfg.head_dim), np.float32)
+    width = k.cfg.num_attention_heads * k.cfg.head_dim
+    out = poisoned((len(parents), width), np.float32)
+    out_q = poisoned(len(parents) * width // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8) \
+        if tree.xblocks_in_merge(k.cfg) else None
     k.attention_kv(t, d["qkv"], d["k_norm"], d["keys"], d["values"], start)
-    k.attention(t, d["qkv"], d["q_norm"], d["keys"], d["values"], out, start)
+    k.attention(t, d["qkv"], d["q_norm"], d["keys"], d["values"], out, start, out_q=out_q)
     if path is not None:
         k.kv_commit(k.set_path(t, path), d["keys"], d["values"], start)
     synchronize()
-    return out.numpy(), d["keys"].numpy(), d["values"].numpy()
+    return out.numpy(), d["keys"].numpy(), d["values"].numpy(), None if out_q is None else out_q.numpy()
+
+
+def assert_xblocks_of(got: np.ndarray | None, rows: np.ndarray) -> None:
+    """got (where given) holds the XBlocks of rows (qgemv.xblocks, bit for bit) and nothing past them."""
+    if got is not None:
+        want = qgemv.xblocks(rows).ravel()
+        np.testing.assert_array_equal(got[:want.size], want)
+        assert (got[want.size:] == 0xFF).all(), "XBlocks written past the rows"
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -227,7 +236,8 @@ def test_attention_matches_reference(kernels, model, kind, n, start, seed):
     n = min(n, k.max_nodes)
     rng = np.random.default_rng(seed)
     parents, x = make_tree(kind, n, rng), attention_inputs(k.cfg, n, start, rng)
-    out, keys, values = run_attention(k, x, parents, start)
+    out, keys, values, out_q = run_attention(k, x, parents, start)
+    assert_xblocks_of(out_q, out)
     rk, rv = tree.attention_kv_reference(k.cfg, x["qkv"], x["k_norm"], parents, start)
     assert rel_err(keys[start:], rk) < KV_RTOL and rel_err(values[start:], rv) < KV_RTOL
     assert np.array_equal(keys[:start], x["keys"][:start]) and np.array_equal(values[:start], x["values"][:start])
@@ -249,8 +259,8 @@ def test_attention_commit_is_sequential_decode(kernels, model, kind, n, start, s
     rng = np.random.default_rng(seed)
     parents, x = make_tree(kind, n, rng), attention_inputs(k.cfg, n, start, rng)
     path = deepest_path(parents, rng)
-    out, keys, values = run_attention(k, x, parents, start, path)
-    _, node_keys, node_values = run_attention(k, x, parents, start)
+    out, keys, values, _ = run_attention(k, x, parents, start, path)
+    _, node_keys, node_values, _ = run_attention(k, x, parents, start)
     for got, nodes in ((keys, node_keys), (values, node_values)):
         assert np.array_equal(got[:start + len(path)],
                               tree.kv_commit_reference(nodes, path, start)[:start + len(path)])
