@@ -49,4 +49,118 @@ struct FmtTQ3_0 {
     }
 };
 
+// ---- KV rows as the tree attention writes and reads them ----------------------------------------------------------
+// A row of HD values is HD / 32 blocks of BLOCK_BYTES (bf16: 64 bytes; Q8_0 and Q4_0: gguf's blocks, written as
+// gguf's quantizer writes them, bit for bit). A lane reads 8 consecutive values (chunk c: values 8c .. 8c + 7) at a
+// time: load(row, c) gives the bytes (from L2: a row may have been written by this kernel), values() the floats.
+// store_block(x, dst): 32 floats into one block, by one thread.
+
+// Two bytes from global memory through L2 (rows of Q8_0 and Q4_0 blocks are 2-byte aligned).
+__device__ __forceinline__ unsigned kv_half(const unsigned char* p) {
+    return __ldcg(reinterpret_cast<const unsigned short*>(p));
+}
+
+// Four 2-byte-aligned words (8 bytes) from global memory through L2, as two 32-bit words.
+__device__ __forceinline__ void kv_words(const unsigned char* p, unsigned (&w)[2]) {
+    w[0] = kv_half(p) | kv_half(p + 2) << 16;
+    w[1] = kv_half(p + 4) | kv_half(p + 6) << 16;
+}
+
+struct KVBf16 {
+    static constexpr bool BF16 = true;
+    static constexpr int BLOCK_BYTES = 64;
+    struct Raw {
+        uint4 w;
+    };
+    __device__ static Raw load(const unsigned char* row, int c) { return {__ldcg(reinterpret_cast<const uint4*>(row) + c)}; }
+    __device__ static void values(const Raw& r, float (&f)[8]) {
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r.w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 t = __bfloat1622float2(w2[e]);
+            f[2 * e] = t.x;
+            f[2 * e + 1] = t.y;
+        }
+    }
+    __device__ static void store_block(const float* x, unsigned char* dst) {
+        bf16* b = reinterpret_cast<bf16*>(dst);
+        for (int j = 0; j < 32; ++j) b[j] = __float2bfloat16(x[j]);
+    }
+};
+
+// Q8_0: [0:2] fp16 d | int8 q[32]; x = d q. Quantized as gguf does: d = max |x| / 127, q = roundf(x / d) by the
+// fp32 reciprocal, d rounded to fp16 after.
+struct KVQ8_0 {
+    static constexpr bool BF16 = false;
+    static constexpr int BLOCK_BYTES = 34;
+    struct Raw {
+        unsigned q[2];
+        float d;
+    };
+    __device__ static Raw load(const unsigned char* row, int c) {
+        const unsigned char* block = row + c / 4 * BLOCK_BYTES;
+        Raw r;
+        r.d = half_to_float(kv_half(block));
+        kv_words(block + 2 + 8 * (c % 4), r.q);
+        return r;
+    }
+    __device__ static void values(const Raw& r, float (&f)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            f[i] = __fmul_rn(static_cast<float>(static_cast<signed char>(r.q[i / 4] >> (8 * (i % 4)))), r.d);
+    }
+    __device__ static void store_block(const float* x, unsigned char* dst) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = __fdiv_rn(amax, 127.f), id = d == 0.f ? 0.f : __frcp_rn(d);
+        const __half h = __float2half_rn(d);
+        dst[0] = static_cast<unsigned char>(__half_as_ushort(h) & 0xFF);
+        dst[1] = static_cast<unsigned char>(__half_as_ushort(h) >> 8);
+        for (int j = 0; j < 32; ++j) dst[2 + j] = static_cast<unsigned char>(static_cast<signed char>(roundf(__fmul_rn(x[j], id))));
+    }
+};
+
+// Q4_0: [0:2] fp16 d | 16 bytes, value j in the low nibble of byte j and value j + 16 in its high nibble; x = d (q -
+// 8). Quantized as gguf does: d = (the value of largest magnitude, the first of equals) / -8, q = trunc(x / d + 8.5)
+// by the fp32 reciprocal, at most 15, d rounded to fp16 after.
+struct KVQ4_0 {
+    static constexpr bool BF16 = false;
+    static constexpr int BLOCK_BYTES = 18;
+    struct Raw {
+        unsigned q[2];
+        float d;
+        int shift;  // 0: the low nibbles (values 0-15 of the block), 4: the high ones
+    };
+    __device__ static Raw load(const unsigned char* row, int c) {
+        const unsigned char* block = row + c / 4 * BLOCK_BYTES;
+        Raw r;
+        r.d = half_to_float(kv_half(block));
+        kv_words(block + 2 + 8 * (c % 2), r.q);
+        r.shift = c % 4 / 2 * 4;
+        return r;
+    }
+    __device__ static void values(const Raw& r, float (&f)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            f[i] = __fmul_rn(static_cast<float>(static_cast<int>(r.q[i / 4] >> (8 * (i % 4) + r.shift) & 0xFu) - 8), r.d);
+    }
+    __device__ static void store_block(const float* x, unsigned char* dst) {
+        float m = x[0];
+        for (int j = 1; j < 32; ++j)
+            if (fabsf(x[j]) > fabsf(m)) m = x[j];
+        const float d = __fdiv_rn(m, -8.f), id = d == 0.f ? 0.f : __frcp_rn(d);
+        const __half h = __float2half_rn(d);
+        dst[0] = static_cast<unsigned char>(__half_as_ushort(h) & 0xFF);
+        dst[1] = static_cast<unsigned char>(__half_as_ushort(h) >> 8);
+        const auto q = [&](int j) { return min(15u, static_cast<unsigned>(truncf(__fadd_rn(__fmul_rn(x[j], id), 8.5f)))); };
+        for (int j = 0; j < 16; ++j) dst[2 + j] = static_cast<unsigned char>(q(j) | q(j + 16) << 4);
+    }
+};
+
+// Row (kv head g, position p) of a layer's cache in format KV: HD values a row, NKV rows a position.
+template <class KV, int NKV, int HD>
+__device__ __forceinline__ size_t kv_row(int g, int p) {
+    return ((size_t)p * NKV + g) * (HD / 32 * KV::BLOCK_BYTES);
+}
+
 }  // namespace lucegen

@@ -10,6 +10,7 @@
 #pragma once
 #include "common.cuh"
 #include "grid.cuh"
+#include "kv.cuh"
 #include "mk_deltanet.cuh"
 #include "quant.cuh"
 
@@ -34,6 +35,12 @@ __device__ __forceinline__ int2 attention_chunks(int n, int blocks) {
     const int per_head = max(1, blocks / M::ATT_NKV);
     const int len = max(M::ATT_MIN_CHUNK, (n + per_head - 1) / per_head);
     return make_int2(len, (n + len - 1) / len);
+}
+
+// A row of HD floats (x, global or shared memory) into a cache row, block-wide: a thread a 32-value block.
+template <class KV, int HD, int THREADS>
+__device__ __forceinline__ void kv_store_row(const float* x, unsigned char* row) {
+    for (int b = threadIdx.x; b < HD / 32; b += THREADS) KV::store_block(x + 32 * b, row + b * KV::BLOCK_BYTES);
 }
 
 // Offset of kv head g's row at position p in a layer's keys or values.
@@ -199,10 +206,10 @@ struct QueryWork {
 };
 
 // The start of a work item of kv head g: w.q = its query heads, normed, rotated and scaled; with holds_pos, this
-// token's K (normed, rotated) and V written to cache row `pos` first (through w.k and w.v). wait() (block-wide)
-// returns once the in-projection rows are written; the RoPE angles are worked out before it. Ends with the block
-// synchronised.
-template <class M, int THREADS, class Wait>
+// token's K (normed, rotated) and V written to cache row `pos` first (through w.k and w.v), in KV row format KV
+// (kv.cuh). wait() (block-wide) returns once the in-projection rows are written; the RoPE angles are worked out
+// before it. Ends with the block synchronised.
+template <class M, int THREADS, class Wait, class KV = KVBf16>
 __device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g, int pos, bool holds_pos,
                                                   const QueryWork<M>& w, Wait wait) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT;
@@ -227,8 +234,14 @@ __device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g
     if (holds_pos) {
         rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
         __syncthreads();
-        for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
-            (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
+        if constexpr (KV::BF16) {
+            for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
+                (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
+        } else {
+            const size_t row = kv_row<KV, M::ATT_NKV, HD>(g, pos);
+            kv_store_row<KV, HD, THREADS>(k, reinterpret_cast<unsigned char*>(L.keys) + row);
+            kv_store_row<KV, HD, THREADS>(v, reinterpret_cast<unsigned char*>(L.values) + row);
+        }
     }
     __syncthreads();  // queries ready; this position's K/V in the cache
 }
@@ -369,8 +382,8 @@ constexpr int attention_gqa_heads() {
 // scores are summed across the warp together (warp_sums_spread) and shared through shared memory, where every lane
 // takes the round's softmax weights; the running max, and the rescaling of the outputs when it grows, move once a
 // round. Then the block's partial per head (over its warps) and, in the last item of kv head g, the merge. Shared
-// memory: attention_gqa_work_floats.
-template <class M, int THREADS, class Rows, int PB>
+// memory: attention_gqa_work_floats. The cache rows are in format KV (kv.cuh; L.keys and L.values as bytes).
+template <class M, int THREADS, class Rows, int PB, class KV = KVBf16>
 __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, float* work, int* flag, Rows rows,
                                    bool writes_kv) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT, WARPS = THREADS / 32;
@@ -391,18 +404,11 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
     float* wm = sc + WARPS * 32;  // [WARPS] a head's per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;     // [WARPS][HD] a head's per-warp outputs
-    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, w, NoWait{});
+    attention_queries<M, THREADS, NoWait, KV>(L, g, pos, writes_kv && last == n, w, NoWait{});
 
     const auto chunk = [&](int u) { return min(lane + 32 * u, HD / 8 - 1); };  // lanes past HD / 8: dropped
-    const auto to_f32 = [](uint4 w, float (&f)[8]) {
-        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 t = __bfloat1622float2(w2[e]);
-            f[2 * e] = t.x;
-            f[2 * e + 1] = t.y;
-        }
-    };
+    const unsigned char* keys = reinterpret_cast<const unsigned char*>(L.keys);
+    const unsigned char* values = reinterpret_cast<const unsigned char*>(L.values);
     float qr[GH][CPL][8], m[GH], l[GH], acc[GH][CPL][8];
 #pragma unroll
     for (int h = 0; h < GH; ++h) {
@@ -418,14 +424,14 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
     }
     float* mine = sc + warp * 32;
     for (int p0 = first + stream; p0 < last; p0 += STREAMS * PB) {
-        uint4 kr[PB][CPL], vr[PB][CPL];
+        typename KV::Raw kr[PB][CPL], vr[PB][CPL];
 #pragma unroll
         for (int b = 0; b < PB; ++b) {
-            const size_t row = kv_offset<M>(g, rows(min(p0 + b * STREAMS, last - 1)));
+            const size_t row = kv_row<KV, M::ATT_NKV, HD>(g, rows(min(p0 + b * STREAMS, last - 1)));
 #pragma unroll
             for (int u = 0; u < CPL; ++u) {
-                kr[b][u] = __ldcg(reinterpret_cast<const uint4*>(L.keys + row) + chunk(u));
-                vr[b][u] = __ldcg(reinterpret_cast<const uint4*>(L.values + row) + chunk(u));
+                kr[b][u] = KV::load(keys + row, chunk(u));
+                vr[b][u] = KV::load(values + row, chunk(u));
             }
         }
         float part[N];  // [b][h]: this lane's share of row b's score for head h
@@ -437,7 +443,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
             for (int u = 0; u < CPL; ++u) {
                 if (lane + 32 * u >= HD / 8) continue;
                 float kf[8];
-                to_f32(kr[b][u], kf);
+                KV::values(kr[b][u], kf);
 #pragma unroll
                 for (int h = 0; h < GH; ++h)
 #pragma unroll
@@ -473,7 +479,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
 #pragma unroll
             for (int b = 0; b < PB; ++b) {
                 float vf[8];
-                to_f32(vr[b][u], vf);
+                KV::values(vr[b][u], vf);
 #pragma unroll
                 for (int h = 0; h < GH; ++h)
 #pragma unroll

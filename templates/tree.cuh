@@ -219,8 +219,8 @@ struct TreeAttention {
     int stride;
     const float* q_norm;    // [head_dim], zero-centred
     const float* k_norm;
-    bf16* keys;             // this layer's cache [context][n_kv][head_dim]; node n's row at start + n
-    bf16* values;
+    unsigned char* keys;    // this layer's cache [context][n_kv] rows (kv.cuh: a KV row format); node n's row at
+    unsigned char* values;  // start + n
     const int* parents;     // [N]
     const int* depth;       // [N]
     int nodes, start;
@@ -231,9 +231,9 @@ struct TreeAttention {
     XBlock* out_q;          // [N][n_heads * head_dim / 32] their XBlocks, or null
 };
 
-// Node n's K and V row of kv head g into cache row start + n, as the decode step's item computes its own.
-// `work` holds head_dim + rotary_dim floats.
-template <class M, int THREADS>
+// Node n's K and V row of kv head g into cache row start + n (format KV), as the decode step's item computes its
+// own. `work` holds head_dim + rotary_dim floats.
+template <class M, int THREADS, class KV>
 __device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float* work) {
     constexpr int NH = M::ATT_NH, NKV = M::ATT_NKV, HD = M::ATT_HD, ROT = M::ATT_ROT;
     float* k = work;
@@ -250,17 +250,22 @@ __device__ void tree_attention_kv(const TreeAttention& T, int node, int g, float
     __syncthreads();
     rope_in_place<HD, ROT>(k, cs, sn, 1.f, threadIdx.x, THREADS);
     __syncthreads();
-    const size_t at = kv_offset<M>(g, T.start + node);
-    for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
-        (d < HD ? T.keys : T.values)[at + d % HD] =
-            __float2bfloat16(d < HD ? k[d] : load_coherent(row + NKV * HD + g * HD + d - HD));
+    const size_t at = kv_row<KV, NKV, HD>(g, T.start + node);
+    if constexpr (KV::BF16) {
+        for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
+            reinterpret_cast<bf16*>((d < HD ? T.keys : T.values) + at)[d % HD] =
+                __float2bfloat16(d < HD ? k[d] : load_coherent(row + NKV * HD + g * HD + d - HD));
+    } else {
+        kv_store_row<KV, HD, THREADS>(k, T.keys + at);
+        kv_store_row<KV, HD, THREADS>(row + NKV * HD + g * HD, T.values + at);
+    }
 }
 
 // Work item `item` of node n (gridDim.x items per node, as the decode step's grid): attention_item_gqa. `ints`
 // holds 2 N ints. writes_kv (a 1-node tree: the decode step): the item holding the node's position writes its K/V
 // row first, as the decode item does, instead of tree_attention_kv. ROWS: the K/V rows each warp has in flight (a
-// round of attention_item_gqa).
-template <class M, int THREADS, int ROWS>
+// round of attention_item_gqa). The cache rows are in format KV.
+template <class M, int THREADS, int ROWS, class KV>
 __device__ void tree_attention_item(const TreeAttention& T, int item, int node, bool writes_kv, float* work, int* ints,
                                     int* flag) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, NKV = M::ATT_NKV, HD = M::ATT_HD;
@@ -274,23 +279,27 @@ __device__ void tree_attention_item(const TreeAttention& T, int item, int node, 
         for (int d = depth, a = node; d >= 0; --d, a = parents[a]) anc[d] = a;
     __syncthreads();
     const size_t chunks = max(1, (int)gridDim.x / NKV);
-    const AttentionLayer L{T.qkv + (size_t)node * T.stride, T.q_norm, T.k_norm, T.keys, T.values,
+    const AttentionLayer L{T.qkv + (size_t)node * T.stride, T.q_norm, T.k_norm, reinterpret_cast<bf16*>(T.keys),
+                           reinterpret_cast<bf16*>(T.values),
                            T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
                            T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD,
                            T.out_q ? T.out_q + (size_t)node * M::ATT_NH * HD / 32 : nullptr};
     const auto rows = [=](int p) { return p < start ? p : start + anc[p - start]; };
-    attention_item_gqa<M, THREADS, decltype(rows), ROWS>(L, item, pos, work, flag, rows, writes_kv);
+    attention_item_gqa<M, THREADS, decltype(rows), ROWS, KV>(L, item, pos, work, flag, rows, writes_kv);
 }
 
-// Rows start + path[i] to start + i for the accepted path (root first) of kv head g. Each thread owns columns and
-// moves them in path order: path[i] >= i, so a row is read before any move overwrites it.
-template <class M, int THREADS>
-__device__ void tree_kv_commit(bf16* keys, bf16* values, const int* path, int len, int start, int g) {
-    constexpr int HD = M::ATT_HD;
-    for (int d = threadIdx.x; d < 2 * HD; d += THREADS) {
-        bf16* cache = d < HD ? keys : values;
+// Rows start + path[i] to start + i (format KV) for the accepted path (root first) of kv head g. Each thread owns
+// 2-byte units of the rows and moves them in path order: path[i] >= i, so a row is read before any move overwrites
+// it.
+template <class M, int THREADS, class KV>
+__device__ void tree_kv_commit(unsigned char* keys, unsigned char* values, const int* path, int len, int start, int g) {
+    constexpr int NKV = M::ATT_NKV, HD = M::ATT_HD, UNITS = HD / 32 * KV::BLOCK_BYTES / 2;
+    for (int d = threadIdx.x; d < 2 * UNITS; d += THREADS) {
+        unsigned short* cache = reinterpret_cast<unsigned short*>(d < UNITS ? keys : values);
         for (int i = 1; i < len; ++i)
-            if (path[i] != i) cache[kv_offset<M>(g, start + i) + d % HD] = cache[kv_offset<M>(g, start + path[i]) + d % HD];
+            if (path[i] != i)
+                cache[kv_row<KV, NKV, HD>(g, start + i) / 2 + d % UNITS] =
+                    cache[kv_row<KV, NKV, HD>(g, start + path[i]) / 2 + d % UNITS];
     }
 }
 

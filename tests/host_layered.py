@@ -21,6 +21,7 @@ from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.kernels.qgemv import fmt_of
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
+from lucegen.model import kvformats
 from lucegen.model.gguf_file import gguf_name, load_gguf
 from lucegen.model.quants import GGMLType, dequantize
 from lucegen.model.weights import open_weights
@@ -74,6 +75,25 @@ def matrix(w: HostArray, fmt: str, n: int, k: int) -> np.ndarray:
         raw = w.a.reshape(-1)[:n * row].reshape(n, row)
         _MATRICES[key] = (w.buf, dequantize(raw, fmt_of(fmt).ggml).astype(np.float32))
     return _MATRICES[key][1]
+
+
+def kv_format(cache, head_dim: int) -> str:
+    """The KV format of a cache's rows (DeviceState: bf16 values, or the bytes of a quantized format's rows)."""
+    if cache.a.dtype != np.uint8:
+        return "bf16"
+    return next(f for f in ("q8_0", "q4_0") if kvformats.row_bytes(f, head_dim) == cache.a.shape[-1])
+
+
+def store_kv(cache, start: int, rows: np.ndarray) -> None:
+    """fp32 K or V rows [n, n_kv, head_dim] into cache rows start .. in the cache's format."""
+    fmt = kv_format(cache, rows.shape[-1])
+    cache.a[start:start + len(rows)] = rows.astype(cache.a.dtype) if fmt == "bf16" else kvformats.encode(rows, fmt)
+
+
+def kv_values(cache, head_dim: int) -> np.ndarray:
+    """A cache's rows as attention reads them, fp32."""
+    fmt = kv_format(cache, head_dim)
+    return cache.a.astype(np.float32) if fmt == "bf16" else kvformats.decode(cache.a, fmt)
 
 
 def write_xblocks(xq, rows: np.ndarray) -> None:
@@ -206,18 +226,18 @@ class LayeredHostKernel:
             n, start = grid[0], _pos(io, start)
             k, v = tree.attention_kv_reference(c, qkv.a.reshape(-1, stride)[:n], k_norm.a,
                                                parents_of_depths(depth.a[:n]), start)
-            store(keys.a[start:start + n], k)
-            store(values.a[start:start + n], v)
+            store_kv(keys, start, k)
+            store_kv(values, start, v)
         elif name == "tree_attention":
             (qkv, stride, q_norm, k_norm, keys, values, parents, depth, io, start, _, _, _, out, writes_kv,
              out_q) = args
             n, start, Q = grid[1], _pos(io, start), qkv.a.reshape(-1, stride)
             if writes_kv:  # the decode step: a 1-node tree that writes its own K/V row
                 k, v = tree.attention_kv_reference(c, Q[:1], k_norm.a, [-1], start)
-                store(keys.a[start:start + 1], k)
-                store(values.a[start:start + 1], v)
-            o = tree.attention_reference(c, Q[:n], q_norm.a, keys.a.astype(np.float32),
-                                         values.a.astype(np.float32), parents.a[:n], start)
+                store_kv(keys, start, k)
+                store_kv(values, start, v)
+            o = tree.attention_reference(c, Q[:n], q_norm.a, kv_values(keys, c.head_dim),
+                                         kv_values(values, c.head_dim), parents.a[:n], start)
             store(out.a.reshape(-1, o.shape[1])[:n], o)
             write_xblocks(out_q, out.a.reshape(-1, o.shape[1])[:n])
         elif name == "tree_kv_commit":

@@ -184,3 +184,87 @@ def test_device_tq3_constants_are_the_references():
         assert int(lo, 16) | int(hi, 16) << 64 == mask
     levels = [float.fromhex(v) for v in re.findall(r"TQ3_LEVEL\d = (0x[0-9a-fp.+-]+)f", text)]
     np.testing.assert_array_equal(np.float32(levels), kv.TQ3_LEVELS[4:])
+
+
+# ---- the tree attention's KV rows (kv.cuh KVBf16, KVQ8_0, KVQ4_0), compiled for the host -------------------------
+KV_ROWS_MAIN = r"""
+#include "kv.cuh"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+using namespace lucegen;
+// argv: format rows head_dim in enc dec. Each row of `in` (floats) through KV::store_block, block by block, into
+// `enc`; then every 8-value chunk of the encoded rows back through KV::load and KV::values into `dec`.
+template <class KV> int run(int rows, int hd, const char* in, const char* enc, const char* dec) {
+    const int row_bytes = hd / 32 * KV::BLOCK_BYTES;
+    std::vector<float> x(static_cast<size_t>(rows) * hd), y(x.size());
+    FILE* f = std::fopen(in, "rb");
+    const size_t got = std::fread(x.data(), 4, x.size(), f);
+    std::fclose(f);
+    std::vector<unsigned char> bytes(static_cast<size_t>(rows) * row_bytes + 16);
+    unsigned char* b = bytes.data() + (16 - reinterpret_cast<size_t>(bytes.data()) % 16) % 16;
+    for (int r = 0; r < rows; ++r)
+        for (int k = 0; k < hd / 32; ++k) KV::store_block(x.data() + r * hd + 32 * k, b + r * row_bytes + k * KV::BLOCK_BYTES);
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < hd / 8; ++c) {
+            float v[8];
+            KV::values(KV::load(b + r * row_bytes, c), v);
+            std::memcpy(y.data() + r * hd + 8 * c, v, sizeof v);
+        }
+    f = std::fopen(enc, "wb");
+    std::fwrite(b, 1, static_cast<size_t>(rows) * row_bytes, f);
+    std::fclose(f);
+    f = std::fopen(dec, "wb");
+    std::fwrite(y.data(), 4, y.size(), f);
+    std::fclose(f);
+    return got != x.size();
+}
+int main(int argc, char** argv) {
+    const int rows = std::atoi(argv[2]), hd = std::atoi(argv[3]);
+    if (!std::strcmp(argv[1], "bf16")) return run<KVBf16>(rows, hd, argv[4], argv[5], argv[6]);
+    if (!std::strcmp(argv[1], "q8_0")) return run<KVQ8_0>(rows, hd, argv[4], argv[5], argv[6]);
+    return run<KVQ4_0>(rows, hd, argv[4], argv[5], argv[6]);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kv_rows_host(tmp_path_factory):
+    """A host executable running kv.cuh's KV row formats (KV_ROWS_MAIN), or a skip without a C++ compiler."""
+    import shutil
+    import subprocess
+    from test_qgemv import HOST_SHIM
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++ or clang++)")
+    d = tmp_path_factory.mktemp("kvrows")
+    for name in ("quant.cuh", "kv.cuh"):
+        shutil.copy(TEMPLATES_DIR / name, d)
+    (d / "common.cuh").write_text(HOST_SHIM)
+    (d / "cuda_fp16.h").write_text("#pragma once\n")
+    (d / "main.cpp").write_text(KV_ROWS_MAIN)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", f"-I{d}", str(d / "main.cpp"), "-o",
+                    str(d / "kvrows")], check=True, capture_output=True)
+    return d
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(["bf16", "q8_0", "q4_0"]), rows=st.integers(1, 5), hd=st.sampled_from([32, 64, 256]),
+       log_scale=st.floats(-4, 4), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_tree_attention_kv_rows_are_ggufs_bit_for_bit(kv_rows_host, fmt, rows, hd, log_scale, ties, seed):
+    """The rows the tree attention writes are kvformats.encode's (gguf's quantizers for Q8_0 and Q4_0) bit for bit,
+    and what it reads of them is kvformats.decode's: on random rows, and rows of few distinct values (ties in the
+    largest magnitude, and values on rounding boundaries)."""
+    import subprocess
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, hd)) * 2.0 ** log_scale).astype(np.float32)
+    if ties:  # repeated magnitudes of both signs, and zero blocks
+        x = (rng.integers(-4, 5, (rows, hd)) * np.float32(2.0 ** log_scale / 4)).astype(np.float32)
+    d = kv_rows_host
+    x.tofile(d / "in.bin")
+    subprocess.run([str(d / "kvrows"), fmt, str(rows), str(hd), str(d / "in.bin"), str(d / "enc.bin"),
+                    str(d / "dec.bin")], check=True)
+    enc = np.fromfile(d / "enc.bin", np.uint8).reshape(rows, -1)
+    np.testing.assert_array_equal(enc, kv.encode(x, fmt))
+    np.testing.assert_array_equal(np.fromfile(d / "dec.bin", np.float32).reshape(rows, hd), kv.decode(enc, fmt))

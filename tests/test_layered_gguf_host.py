@@ -54,3 +54,32 @@ def test_the_row_kernels_xblocks_are_what_each_projection_would_quantize(gguf):
         bound = max(STEP_RTOL, 2.5 * relative_error(emulated[i], plain[i]))
         err = relative_error(fused[i], plain[i])
         assert err < bound, f"position {i}: relative error {err:.2e}, bound {bound:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_the_step_keeps_its_kv_cache_in_the_specs_format(gguf, fmt):
+    """tuning.kv_format q8_0 / q4_0: the cache holds the format's rows (bytes), and the step decodes as the reference
+    whose attention reads its K/V through the same format (kvformats.codec), within the bound above, and nearer
+    to it than to the reference whose cache keeps its fp32 rows."""
+    import dataclasses
+    from lucegen.model import kvformats
+    weights, ref = gguf
+    base = load_spec("h200")
+    spec = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format=fmt))
+    tokens = np.random.default_rng(11).integers(0, RATIO3_Q.vocab_size, 10)
+    with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
+        engine = LayeredEngine(weights, RATIO3_Q, spec=spec, max_context=64, chunk=4)
+        i = RATIO3_Q.full_layers[0]
+        assert engine.state.kv_format == fmt and engine.state.keys[i].dtype == np.uint8
+        assert engine.state.keys[i].shape[-1] == kvformats.row_bytes(fmt, RATIO3_Q.head_dim)
+        got = np.concatenate([engine.run(tokens[:4])[0], *(engine.run(tokens[j:j + 1])[0] for j in range(4, 10))])
+        engine.free()
+    state = State(kv_codec=kvformats.codec(fmt))
+    want = np.stack([decode_step(ref, RATIO3_Q, int(t), state) for t in tokens])
+    plain = reference_logits(unquantized(ref), tokens)
+    for j in range(len(tokens)):
+        bound = max(STEP_RTOL, 2.5 * relative_error(want[j], plain[j]))
+        err = relative_error(got[j], want[j])
+        assert err < bound, f"{fmt}, position {j}: relative error {err:.2e}, bound {bound:.2e}"
+    unformatted = reference_logits(ref, tokens)  # the reference's cache keeps its fp32 rows
+    assert relative_error(got, want) < relative_error(got, unformatted)

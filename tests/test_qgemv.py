@@ -196,6 +196,7 @@ HOST_SHIM = r"""
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #define __device__
 #define __host__
 #define __forceinline__ inline
@@ -234,6 +235,21 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
 struct __half { unsigned short bits; };
 static inline __half __ushort_as_half(unsigned short b) { return {b}; }
 static inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits, 2); return static_cast<float>(f); }
+static inline __half __float2half_rn(float a) { const _Float16 f = static_cast<_Float16>(a); __half h; std::memcpy(&h.bits, &f, 2); return h; }
+static inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+static inline float __frcp_rn(float a) { return 1.0f / a; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
+struct float2 { float x, y; };
+struct __nv_bfloat16 { unsigned short bits; };
+using bf16 = __nv_bfloat16;
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+static inline float bf16_bits_to_float(unsigned short b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
+static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {bf16_bits_to_float(v.x.bits), bf16_bits_to_float(v.y.bits)}; }
+static inline __nv_bfloat16 __float2bfloat16(float a) {  // to nearest, ties to even (finite values)
+    unsigned u; std::memcpy(&u, &a, 4);
+    return {static_cast<unsigned short>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+using std::min;
 // the tensor-core GEMM's warp shuffle compiles but is not run here: declared only, a use would not link
 float __shfl_sync(unsigned mask, float v, int lane);
 """
