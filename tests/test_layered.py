@@ -118,6 +118,8 @@ def test_the_bench_limit_counts_kv_rows_and_deltanet_states():
     cfg = load_config("qwen3.5-27b")
     assert state_bytes_per_token(cfg, 0) == 48 * 48 * 128 * 128 * 4 * 2  # 48 DeltaNet layers' states, read + written
     assert state_bytes_per_token(cfg, 1000) - state_bytes_per_token(cfg, 0) == 16 * 1000 * 4 * 256 * 2 * 2
+    # Q8_0 rows: 8 blocks of 34 bytes a head of 256
+    assert state_bytes_per_token(cfg, 1000, "q8_0") - state_bytes_per_token(cfg, 0) == 16 * 1000 * 4 * 8 * 34 * 2
 
 
 @settings(max_examples=5, deadline=None)

@@ -17,15 +17,19 @@ depend on the values; a real 27B GGUF through the numpy quantizer would take hou
     projections      the step's quantized projections alone (one graph of every layer's, M = 1): their time per
                      token and read rate; the rest of a step is mixers, row kernels and the gaps between ~600 launches
 
-Results, through Recorder: tg128_tok_s (model "qwen3.5-27b q4_k_m ctx=N"); decode_kernel_us_<kind> and
-decode_launch_gap_us (model "qwen3.5-27b q4_k_m ctx=512", with launches and, per kind, share); step_projections_us.
+Results, through Recorder: tg128_tok_s (model "qwen3.5-27b q4_k_m ctx=N"; "... kv=q8_0 ctx=N" with a quantized KV
+cache, --kv); decode_kernel_us_<kind> and decode_launch_gap_us (model "qwen3.5-27b q4_k_m ctx=512", with launches
+and, per kind, share); step_projections_us.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from ..engine.layered import LayeredEngine, LayeredStep
 from ..engine.layered_weights import Projection, RandomSource
+from ..model import kvformats
 from ..model.config import load_config
 from ..runtime import Event, Graph
 from ..spec import spec_for_current_device
@@ -38,17 +42,21 @@ WARMUP = 8
 CONTEXTS = (512, 8192, 32768, 131072)
 
 
-def state_bytes_per_token(cfg, ctx: int) -> int:
-    """KV rows read (bf16 K and V of every position) and DeltaNet state read and written (fp32), per step."""
-    kv = len(cfg.full_layers) * ctx * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+def state_bytes_per_token(cfg, ctx: int, kv_format: str = "bf16") -> int:
+    """KV rows read (K and V of every position, in kv_format) and DeltaNet state read and written (fp32), per
+    step."""
+    kv = len(cfg.full_layers) * ctx * cfg.num_key_value_heads * kvformats.row_bytes(kv_format, cfg.head_dim) * 2
     rec = len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_value_head_dim * \
         cfg.linear_key_head_dim * 4 * 2
     return kv + rec
 
 
 def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str = "q4_k_m",
-        contexts=CONTEXTS) -> None:
+        contexts=CONTEXTS, kv_format: str | None = None) -> None:
+    """tg128 at each context; kv_format: the KV cache's (default: the spec's tuning.kv_format)."""
     spec = spec_for_current_device()
+    if kv_format is not None:
+        spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, kv_format=kv_format))
     cfg = load_config(model)
     rec = recorder or Recorder(gpu=spec.name)
     engine = LayeredEngine(RandomSource(cfg, mix), cfg, spec, max_context=max(contexts) + 1 + WARMUP + TG,
@@ -56,8 +64,10 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
     step, stream = engine.step, engine.step.stream
     read_gbs = measure_read_gbs(spec, stream)
     weights = engine.weights.matrix_bytes_per_token()
+    kv = engine.state.kv_format
     print(f"spec {spec.name}: read ceiling {read_gbs:.0f} GB/s measured now; {weights / 1e9:.2f} GB of matrices "
-          f"per token ({mix})")
+          f"per token ({mix}); {kv} KV")
+    tag = f"{cfg.name} {mix}" + ("" if kv == "bf16" else f" kv={kv}")
     for ctx in contexts:
         engine.reset()
         engine.state.position = ctx
@@ -68,14 +78,14 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
         step.launch_greedy(TG)
         end.record(stream)
         ms = start.elapsed_ms(end)
-        per_token = weights + state_bytes_per_token(cfg, ctx + 1 + WARMUP + TG // 2)  # mean context
+        per_token = weights + state_bytes_per_token(cfg, ctx + 1 + WARMUP + TG // 2, kv)  # mean context
         limit = read_gbs * 1e9 / per_token
         tok_s = TG / (ms * 1e-3)
-        rec.record("tg128_tok_s", f"{cfg.name} {mix} ctx={ctx}", tok_s, "tok/s", limit,
+        rec.record("tg128_tok_s", f"{tag} ctx={ctx}", tok_s, "tok/s", limit,
                    ms_per_token=round(ms / TG, 4), bytes_per_token=per_token, read_gbs=round(read_gbs, 1),
                    achieved_gbs=round(per_token * tok_s / 1e9, 1), path="layered step, one CUDA graph a token")
         if ctx == contexts[0]:
-            step_breakdown(rec, step, f"{cfg.name} {mix} ctx={ctx}", ctx, ms / TG)
+            step_breakdown(rec, step, f"{tag} ctx={ctx}", ctx, ms / TG)
     proj_us = projections_us(step)
     proj_bytes = weights - engine.weights.embed.nbytes // cfg.vocab_size
     rec.record("step_projections_us", f"{cfg.name} {mix}", proj_us, "us", proj_bytes / (read_gbs * 1e3),
