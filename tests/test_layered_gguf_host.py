@@ -83,3 +83,15 @@ def test_the_step_keeps_its_kv_cache_in_the_specs_format(gguf, fmt):
         assert err < bound, f"{fmt}, position {j}: relative error {err:.2e}, bound {bound:.2e}"
     unformatted = reference_logits(ref, tokens)  # the reference's cache keeps its fp32 rows
     assert relative_error(got, want) < relative_error(got, unformatted)
+
+
+def test_a_kv_format_the_step_does_not_read_yet_says_so_and_keeps_bf16_rows(gguf):
+    import dataclasses
+    weights, _ = gguf
+    base = load_spec("h200")
+    spec = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format="tq3_0"))
+    with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
+        with pytest.warns(UserWarning, match="tq3_0 is not read by the layer-by-layer step's attention yet"):
+            engine = LayeredEngine(weights, RATIO3_Q, spec=spec, max_context=16, chunk=4)
+        assert engine.state.kv_format == "bf16"
+        engine.free()
