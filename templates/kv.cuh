@@ -66,6 +66,13 @@ __device__ __forceinline__ void kv_words(const unsigned char* p, unsigned (&w)[2
     w[1] = kv_half(p + 4) | kv_half(p + 6) << 16;
 }
 
+// A block's fp16 scale d into its first two bytes, as one 16-bit store (blocks are 2-byte aligned). (Two byte
+// stores of the bits, (bits & 0xFF) and bits >> 8, were compiled by NVRTC 13 into an F2I.U8.F16 of the half's value
+// for the low byte: the scale lost its low 8 bits on the H200.)
+__device__ __forceinline__ void kv_store_half(unsigned char* dst, float d) {
+    *reinterpret_cast<unsigned short*>(dst) = __half_as_ushort(__float2half_rn(d));
+}
+
 struct KVBf16 {
     static constexpr bool BF16 = true;
     static constexpr int BLOCK_BYTES = 64;
@@ -113,9 +120,7 @@ struct KVQ8_0 {
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
         const float d = __fdiv_rn(amax, 127.f), id = d == 0.f ? 0.f : __frcp_rn(d);
-        const __half h = __float2half_rn(d);
-        dst[0] = static_cast<unsigned char>(__half_as_ushort(h) & 0xFF);
-        dst[1] = static_cast<unsigned char>(__half_as_ushort(h) >> 8);
+        kv_store_half(dst, d);
         for (int j = 0; j < 32; ++j) dst[2 + j] = static_cast<unsigned char>(static_cast<signed char>(roundf(__fmul_rn(x[j], id))));
     }
 };
@@ -149,9 +154,7 @@ struct KVQ4_0 {
         for (int j = 1; j < 32; ++j)
             if (fabsf(x[j]) > fabsf(m)) m = x[j];
         const float d = __fdiv_rn(m, -8.f), id = d == 0.f ? 0.f : __frcp_rn(d);
-        const __half h = __float2half_rn(d);
-        dst[0] = static_cast<unsigned char>(__half_as_ushort(h) & 0xFF);
-        dst[1] = static_cast<unsigned char>(__half_as_ushort(h) >> 8);
+        kv_store_half(dst, d);
         const auto q = [&](int j) { return min(15u, static_cast<unsigned>(truncf(__fadd_rn(__fmul_rn(x[j], id), 8.5f)))); };
         for (int j = 0; j < 16; ++j) dst[2 + j] = static_cast<unsigned char>(q(j) | q(j + 16) << 4);
     }
