@@ -53,17 +53,24 @@ struct FmtTQ3_0 {
 // A row of HD values is HD / 32 blocks of BLOCK_BYTES (bf16: 64 bytes; Q8_0 and Q4_0: gguf's blocks, written as
 // gguf's quantizer writes them, bit for bit). A lane reads 8 consecutive values (chunk c: values 8c .. 8c + 7) at a
 // time: load(row, c) gives the bytes (from L2: a row may have been written by this kernel), values() the floats.
-// store_block(x, dst): 32 floats into one block, by one thread.
+// store_block(x, dst): 32 floats into one block, by one thread. Formats with a scale a block (SCALED) give the
+// chunk's integers, exactly, as floats (ints) and their scale apart (scale), so that attention multiplies by the
+// scale once a head rather than once a value: values() = ints() * scale(), in fp32.
 
 // Two bytes from global memory through L2 (rows of Q8_0 and Q4_0 blocks are 2-byte aligned).
 __device__ __forceinline__ unsigned kv_half(const unsigned char* p) {
     return __ldcg(reinterpret_cast<const unsigned short*>(p));
 }
 
-// Four 2-byte-aligned words (8 bytes) from global memory through L2, as two 32-bit words.
+// 8 bytes at a 2-byte-aligned address from global memory through L2, as two 32-bit words: the aligned words
+// around them (a third only where the address is 2 mod 4), funnel-shifted into place.
 __device__ __forceinline__ void kv_words(const unsigned char* p, unsigned (&w)[2]) {
-    w[0] = kv_half(p) | kv_half(p + 2) << 16;
-    w[1] = kv_half(p + 4) | kv_half(p + 6) << 16;
+    const size_t a = reinterpret_cast<size_t>(p);
+    const unsigned* at = reinterpret_cast<const unsigned*>(a & ~size_t(3));
+    const unsigned shift = static_cast<unsigned>(a & 2u) * 8u;
+    const unsigned w0 = __ldcg(at), w1 = __ldcg(at + 1), w2 = shift ? __ldcg(at + 2) : 0u;
+    w[0] = __funnelshift_r(w0, w1, shift);
+    w[1] = __funnelshift_r(w1, w2, shift);
 }
 
 // A block's fp16 scale d into its first two bytes, as one 16-bit store (blocks are 2-byte aligned). (Two byte
@@ -73,8 +80,17 @@ __device__ __forceinline__ void kv_store_half(unsigned char* dst, float d) {
     *reinterpret_cast<unsigned short*>(dst) = __half_as_ushort(__float2half_rn(d));
 }
 
+// A scaled format's chunk as values: its integers times its scale.
+template <class KV>
+__device__ __forceinline__ void kv_scaled(const typename KV::Raw& r, float (&f)[8]) {
+    KV::ints(r, f);
+    const float d = KV::scale(r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], d);
+}
+
 struct KVBf16 {
-    static constexpr bool BF16 = true;
+    static constexpr bool BF16 = true, SCALED = false;
     static constexpr int BLOCK_BYTES = 64;
     struct Raw {
         uint4 w;
@@ -98,7 +114,7 @@ struct KVBf16 {
 // Q8_0: [0:2] fp16 d | int8 q[32]; x = d q. Quantized as gguf does: d = max |x| / 127, q = roundf(x / d) by the
 // fp32 reciprocal, d rounded to fp16 after.
 struct KVQ8_0 {
-    static constexpr bool BF16 = false;
+    static constexpr bool BF16 = false, SCALED = true;
     static constexpr int BLOCK_BYTES = 34;
     struct Raw {
         unsigned q[2];
@@ -111,11 +127,13 @@ struct KVQ8_0 {
         kv_words(block + 2 + 8 * (c % 4), r.q);
         return r;
     }
-    __device__ static void values(const Raw& r, float (&f)[8]) {
+    __device__ static float scale(const Raw& r) { return r.d; }
+    // q: each byte, xor 0x80 (q + 128), under the exponent of 2^23, less 2^23 + 128 (byte_minus)
+    __device__ static void ints(const Raw& r, float (&f)[8]) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            f[i] = __fmul_rn(static_cast<float>(static_cast<signed char>(r.q[i / 4] >> (8 * (i % 4)))), r.d);
+        for (int i = 0; i < 8; ++i) f[i] = byte_minus(r.q[i / 4] ^ 0x80808080u, i % 4, MAGIC_U_VALUE + 128.f);
     }
+    __device__ static void values(const Raw& r, float (&f)[8]) { kv_scaled<KVQ8_0>(r, f); }
     __device__ static void store_block(const float* x, unsigned char* dst) {
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
@@ -129,7 +147,7 @@ struct KVQ8_0 {
 // 8). Quantized as gguf does: d = (the value of largest magnitude, the first of equals) / -8, q = trunc(x / d + 8.5)
 // by the fp32 reciprocal, at most 15, d rounded to fp16 after.
 struct KVQ4_0 {
-    static constexpr bool BF16 = false;
+    static constexpr bool BF16 = false, SCALED = true;
     static constexpr int BLOCK_BYTES = 18;
     struct Raw {
         unsigned q[2];
@@ -144,11 +162,13 @@ struct KVQ4_0 {
         r.shift = c % 4 / 2 * 4;
         return r;
     }
-    __device__ static void values(const Raw& r, float (&f)[8]) {
+    __device__ static float scale(const Raw& r) { return r.d; }
+    // q - 8: each nibble (moved to the low one) under the exponent of 2^23, less 2^23 + 8
+    __device__ static void ints(const Raw& r, float (&f)[8]) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            f[i] = __fmul_rn(static_cast<float>(static_cast<int>(r.q[i / 4] >> (8 * (i % 4) + r.shift) & 0xFu) - 8), r.d);
+        for (int i = 0; i < 8; ++i) f[i] = byte_minus((r.q[i / 4] >> r.shift) & 0x0F0F0F0Fu, i % 4, MAGIC_U_VALUE + 8.f);
     }
+    __device__ static void values(const Raw& r, float (&f)[8]) { kv_scaled<KVQ4_0>(r, f); }
     __device__ static void store_block(const float* x, unsigned char* dst) {
         float m = x[0];
         for (int j = 1; j < 32; ++j)

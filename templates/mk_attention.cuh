@@ -443,11 +443,23 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
             for (int u = 0; u < CPL; ++u) {
                 if (lane + 32 * u >= HD / 8) continue;
                 float kf[8];
-                KV::values(kr[b][u], kf);
+                if constexpr (KV::SCALED) {  // the chunk's integers times each head's query, then its scale once
+                    KV::ints(kr[b][u], kf);
+                    const float d = KV::scale(kr[b][u]);
 #pragma unroll
-                for (int h = 0; h < GH; ++h)
+                    for (int h = 0; h < GH; ++h) {
+                        float s = kf[0] * qr[h][u][0];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) part[b * GH + h] = fmaf(kf[e], qr[h][u][e], part[b * GH + h]);
+                        for (int e = 1; e < 8; ++e) s = fmaf(kf[e], qr[h][u][e], s);
+                        part[b * GH + h] = fmaf(d, s, part[b * GH + h]);
+                    }
+                } else {
+                    KV::values(kr[b][u], kf);
+#pragma unroll
+                    for (int h = 0; h < GH; ++h)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) part[b * GH + h] = fmaf(kf[e], qr[h][u][e], part[b * GH + h]);
+                }
             }
         const float own = warp_sums_spread<N>(part);
         if (lane % (32 / N) == 0) mine[lane / (32 / N)] = own;
@@ -479,11 +491,20 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
 #pragma unroll
             for (int b = 0; b < PB; ++b) {
                 float vf[8];
-                KV::values(vr[b][u], vf);
+                float wd[GH];  // the row's weight per head, times its chunk's scale (SCALED formats)
+                if constexpr (KV::SCALED) {
+                    KV::ints(vr[b][u], vf);
+#pragma unroll
+                    for (int h = 0; h < GH; ++h) wd[h] = w[b][h] * KV::scale(vr[b][u]);
+                } else {
+                    KV::values(vr[b][u], vf);
+#pragma unroll
+                    for (int h = 0; h < GH; ++h) wd[h] = w[b][h];
+                }
 #pragma unroll
                 for (int h = 0; h < GH; ++h)
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[h][u][e] = fmaf(w[b][h], vf[e], acc[h][u][e]);
+                    for (int e = 0; e < 8; ++e) acc[h][u][e] = fmaf(wd[h], vf[e], acc[h][u][e]);
             }
         }
     }
