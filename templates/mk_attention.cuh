@@ -194,6 +194,19 @@ struct NoWait {
     __device__ __forceinline__ void operator()() const {}
 };
 
+// An item's share of the work: kv head g, chunk c of the kv head's `chunks`, positions [first, last) of the
+// pos + 1 it attends; max_chunks: the chunks a kv head's partials have room for.
+struct AttentionSpan {
+    int g, c, chunks, first, last, max_chunks;
+};
+
+template <class M>
+__device__ __forceinline__ AttentionSpan attention_span(int item, int pos) {
+    const int2 ch = attention_chunks<M>(pos + 1, gridDim.x);
+    const int c = item % ch.y, first = c * ch.x;
+    return {item / ch.y, c, ch.y, first, min(first + ch.x, pos + 1), max(1, (int)gridDim.x / M::ATT_NKV)};
+}
+
 // The start of an item's shared memory `work`: q [G][HD] its query heads (normed, rotated, scaled), k and v [HD]
 // this token's key and value (the item holding its position), cos and sin [ROT / 2] each; `rest` the floats past
 // them.
@@ -258,16 +271,14 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
     constexpr int CPL = (HD / 8 + 31) / 32;  // 8-value chunks of a head per lane
     static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int n = pos + 1;
-    const int2 ch = attention_chunks<M>(n, gridDim.x);
-    const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
-    const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
+    const AttentionSpan sp = attention_span<M>(item, pos);
+    const int g = sp.g, c = sp.c, first = sp.first, last = sp.last, max_chunks = sp.max_chunks;
     const QueryWork<M> w(work);
     const float* q = w.q;
     float* wm = w.rest;              // [WARPS] per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;        // [WARPS][HD]
-    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == n, w, wait);
+    attention_queries<M, THREADS>(L, g, pos, writes_kv && last == pos + 1, w, wait);
 
     // Warp w attends query head h = w % G at positions first + w / G, + count, ... (the `count` warps of a head
     // split its positions), holding one head's online softmax (max, sum, HD/32 outputs per lane) in registers.
@@ -354,7 +365,7 @@ __device__ void attention_item(const AttentionLayer& L, int item, int pos, float
         }
     }
 
-    if (last_to_arrive(L.tickets + g, ch.y, flag)) attention_merge<M, THREADS>(L, g, ch.y, work);
+    if (last_to_arrive(L.tickets + g, sp.chunks, flag)) attention_merge<M, THREADS>(L, g, sp.chunks, work);
 }
 
 // Shared memory of one attention_item_gqa, in floats: the larger of its carve-up and attention_merge's.
@@ -394,17 +405,15 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
     static_assert(WARPS % NG == 0, "whole position streams of warps");
     static_assert(HD % 8 == 0 && ROT % 2 == 0 && G + 2 <= WARPS, "attention split");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hg = warp % NG, stream = warp / NG;
-    const int n = pos + 1;
-    const int2 ch = attention_chunks<M>(n, gridDim.x);
-    const int g = item / ch.y, c = item % ch.y, first = c * ch.x, last = min(first + ch.x, n);
-    const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
+    const AttentionSpan sp = attention_span<M>(item, pos);
+    const int g = sp.g, c = sp.c, first = sp.first, last = sp.last, max_chunks = sp.max_chunks;
     const QueryWork<M> w(work);
     const float* q = w.q;
     float* sc = w.rest;           // [WARPS][32] a round's scores
     float* wm = sc + WARPS * 32;  // [WARPS] a head's per-warp max, then [WARPS] sum
     float* wl = wm + WARPS;
     float* wacc = wl + WARPS;     // [WARPS][HD] a head's per-warp outputs
-    attention_queries<M, THREADS, NoWait, KV>(L, g, pos, writes_kv && last == n, w, NoWait{});
+    attention_queries<M, THREADS, NoWait, KV>(L, g, pos, writes_kv && last == pos + 1, w, NoWait{});
 
     const auto chunk = [&](int u) { return min(lane + 32 * u, HD / 8 - 1); };  // lanes past HD / 8: dropped
     const unsigned char* keys = reinterpret_cast<const unsigned char*>(L.keys);
@@ -546,7 +555,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
         __syncthreads();
     }
 
-    if (last_to_arrive(L.tickets + g, ch.y, flag)) attention_merge<M, THREADS>(L, g, ch.y, work);
+    if (last_to_arrive(L.tickets + g, sp.chunks, flag)) attention_merge<M, THREADS>(L, g, sp.chunks, work);
 }
 
 }  // namespace lucegen
