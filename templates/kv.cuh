@@ -62,16 +62,8 @@ __device__ __forceinline__ unsigned kv_half(const unsigned char* p) {
     return __ldcg(reinterpret_cast<const unsigned short*>(p));
 }
 
-// 8 bytes at a 2-byte-aligned address from global memory through L2, as two 32-bit words: the aligned words
-// around them (a third only where the address is 2 mod 4), funnel-shifted into place.
-__device__ __forceinline__ void kv_words(const unsigned char* p, unsigned (&w)[2]) {
-    const size_t a = reinterpret_cast<size_t>(p);
-    const unsigned* at = reinterpret_cast<const unsigned*>(a & ~size_t(3));
-    const unsigned shift = static_cast<unsigned>(a & 2u) * 8u;
-    const unsigned w0 = __ldcg(at), w1 = __ldcg(at + 1), w2 = shift ? __ldcg(at + 2) : 0u;
-    w[0] = __funnelshift_r(w0, w1, shift);
-    w[1] = __funnelshift_r(w1, w2, shift);
-}
+// 8 bytes at a 2-byte-aligned address from global memory through L2, as two 32-bit words.
+__device__ __forceinline__ void kv_words(const unsigned char* p, unsigned (&w)[2]) { load_words_a2<2, true>(p, w); }
 
 // A block's fp16 scale d into its first two bytes, as one 16-bit store (blocks are 2-byte aligned). (Two byte
 // stores of the bits, (bits & 0xFF) and bits >> 8, were compiled by NVRTC 13 into an F2I.U8.F16 of the half's value

@@ -76,15 +76,20 @@ __device__ __forceinline__ float half_to_float(unsigned bits16) {
 
 // N little-endian 32-bit words starting at a 2-byte aligned address: N + 1 aligned loads funnel-shifted into place
 // when the address is 2 mod 4 (and no load past the last byte when it is 0 mod 4).
-template <int N>
+// THROUGH_L2: global memory by ld.global.cg (bytes this kernel may have written).
+template <int N, bool THROUGH_L2 = false>
 __device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (&w)[N]) {
     const unsigned mis = reinterpret_cast<size_t>(p) & 2u;  // pointer arithmetic keeps p's address space (LDS)
     const unsigned* a = reinterpret_cast<const unsigned*>(p - mis);
     const unsigned shift = mis * 8u;
-    unsigned lo = a[0];
+    const auto word = [&](int i) {
+        if constexpr (THROUGH_L2) return __ldcg(a + i);
+        else return a[i];
+    };
+    unsigned lo = word(0);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const unsigned hi = (i + 1 < N || shift) ? a[i + 1] : 0u;
+        const unsigned hi = (i + 1 < N || shift) ? word(i + 1) : 0u;
         w[i] = __funnelshift_r(lo, hi, shift);
         lo = hi;
     }
