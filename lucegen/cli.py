@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--results", default=None, help="append to this JSONL file instead of results/<gpu>.jsonl")
     bench.add_argument("--tune", action="store_true", help="gemv, qgemv: also sweep the kernels' tuning knobs and "
                        "print a table")
-    bench.add_argument("--kv", default=None, choices=["bf16", "q8_0", "q4_0"],
+    bench.add_argument("--kv", default=None, choices=["bf16", "q8_0", "q4_0", "tq3_0"],
                        help="decode-gguf: the KV cache's format (default: the spec's tuning.kv_format)")
     g = bench.add_argument_group("speculative and prompts (any engine backend)")
     g.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy (records go to "

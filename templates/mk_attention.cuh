@@ -37,10 +37,26 @@ __device__ __forceinline__ int2 attention_chunks(int n, int blocks) {
     return make_int2(len, (n + len - 1) / len);
 }
 
-// A row of HD floats (x, global or shared memory) into a cache row, block-wide: a thread a 32-value block.
+// A row of HD floats (x, global or shared memory) into a cache row, block-wide: a thread a 32-value block, or a
+// warp a group (kv.cuh: KV::GROUP).
 template <class KV, int HD, int THREADS>
 __device__ __forceinline__ void kv_store_row(const float* x, unsigned char* row) {
-    for (int b = threadIdx.x; b < HD / 32; b += THREADS) KV::store_block(x + 32 * b, row + b * KV::BLOCK_BYTES);
+    if constexpr (KV::GROUP == 32) {
+        for (int b = threadIdx.x; b < HD / 32; b += THREADS) KV::store_block(x + 32 * b, row + b * KV::BLOCK_BYTES);
+    } else {
+        static_assert(HD % KV::GROUP == 0, "whole groups a row");
+        for (int i = threadIdx.x / 32; i < HD / KV::GROUP; i += THREADS / 32)
+            KV::store_group(x + KV::GROUP * i, row + i * (KV::GROUP / 32) * KV::BLOCK_BYTES);
+    }
+}
+
+// Each group of n floats in shared memory (n / KV::GROUP of them) rotated in place, or back (INVERSE), block-wide: a
+// warp a group. Ends with the block synchronised.
+template <class KV, bool INVERSE, int THREADS>
+__device__ __forceinline__ void kv_rotate_groups(float* x, int n) {
+    for (int i = threadIdx.x / 32; i < n / KV::GROUP; i += THREADS / 32)
+        KV::template rotate_group<INVERSE>(x + KV::GROUP * i);
+    __syncthreads();
 }
 
 // Offset of kv head g's row at position p in a layer's keys or values.
@@ -132,9 +148,10 @@ constexpr int attention_work_floats() {
 
 // The last item of kv head g to finish: the log-sum-exp weights of the n_chunks partials per head (warp h), then
 // the merged, gated outputs. A thread's partials are loaded a batch at a time, in flight together (a loop over a
-// run-time count waits a round trip per partial), and added in chunk order. Out of line: one block per kv head
+// run-time count waits a round trip per partial), and added in chunk order. Rows of a ROTATED format (kv.cuh) give
+// outputs in their domain: merged in shared memory, rotated back, then gated. Out of line: one block per kv head
 // runs it, and its registers stay its own.
-template <class M, int THREADS>
+template <class M, int THREADS, class KV = KVBf16>
 __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, float* work) {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32;
     constexpr int BATCH = 8;  // a thread's partials in flight together (more spill the 27B's kernel)
@@ -142,6 +159,9 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
     float* wgt = work;                    // [max_chunks][G] partial weights
     float* total = wgt + max_chunks * G;  // [G] their sums
+    float* merged = work + (max_chunks * G + G + 3) / 4 * 4;  // [G][HD] the outputs before the rotation back
+                                                              // (ROTATED formats), 16-byte aligned
+    const auto gate = [&](int e) { return sigmoid(load_coherent(L.qkv + (size_t)(g * G + e / HD) * 2 * HD + HD + e % HD)); };
     if (warp < G) {
         const float2* ml = reinterpret_cast<const float2*>(L.part_ml) + (size_t)g * max_chunks * G;  // (max, sum)
         float mx = -__int_as_float(0x7f800000);
@@ -161,7 +181,8 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     __syncthreads();
     for (int e = threadIdx.x; e < G * HD; e += THREADS) {
         const int h = e / HD, d = e % HD;
-        const float gate = load_coherent(L.qkv + (size_t)(g * G + h) * 2 * HD + HD + d);
+        float gt = 0.f;  // loaded before the partials, so that its latency hides behind theirs
+        if constexpr (!KV::ROTATED) gt = gate(e);
         float a = 0.f;
         for (int i0 = 0; i0 < n_chunks; i0 += BATCH) {
             float part[BATCH];
@@ -173,7 +194,13 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
             for (int j = 0; j < BATCH; ++j)
                 if (i0 + j < n_chunks) a += wgt[(i0 + j) * G + h] * part[j];
         }
-        L.out[(g * G + h) * HD + d] = a / total[h] * sigmoid(gate);
+        if constexpr (KV::ROTATED) merged[e] = a / total[h];
+        else L.out[(g * G + h) * HD + d] = a / total[h] * gt;
+    }
+    if constexpr (KV::ROTATED) {
+        __syncthreads();
+        kv_rotate_groups<KV, true, THREADS>(merged, G * HD);
+        for (int e = threadIdx.x; e < G * HD; e += THREADS) L.out[g * G * HD + e] = merged[e] * gate(e);
     }
     if constexpr (G * HD % 32 == 0)
         if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of their own
@@ -220,8 +247,8 @@ struct QueryWork {
 
 // The start of a work item of kv head g: w.q = its query heads, normed, rotated and scaled; with holds_pos, this
 // token's K (normed, rotated) and V written to cache row `pos` first (through w.k and w.v), in KV row format KV
-// (kv.cuh). wait() (block-wide) returns once the in-projection rows are written; the RoPE angles are worked out
-// before it. Ends with the block synchronised.
+// (kv.cuh; rows of a ROTATED format: the queries rotated into their domain too). wait() (block-wide) returns once
+// the in-projection rows are written; the RoPE angles are worked out before it. Ends with the block synchronised.
 template <class M, int THREADS, class Wait, class KV = KVBf16>
 __device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g, int pos, bool holds_pos,
                                                   const QueryWork<M>& w, Wait wait) {
@@ -257,6 +284,7 @@ __device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g
         }
     }
     __syncthreads();  // queries ready; this position's K/V in the cache
+    if constexpr (KV::ROTATED) kv_rotate_groups<KV, false, THREADS>(q, G * HD);  // q.k in the rows' domain
 }
 
 // One work item (kv head g, chunk c), by one block; then, in the last item of kv head g, the merge. The query at
@@ -373,7 +401,8 @@ template <class M, int WARPS, int BLOCKS>
 constexpr int attention_gqa_work_floats() {
     constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD;
     constexpr int item = query_work_floats<M>() + WARPS * 32 + 2 * WARPS + WARPS * HD;
-    constexpr int merge = (BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G;
+    // attention_merge's weights and sums, then its merged outputs (rows of a ROTATED format), 16-byte aligned
+    constexpr int merge = ((BLOCKS / M::ATT_NKV > 1 ? BLOCKS / M::ATT_NKV : 1) * G + G + 3) / 4 * 4 + G * HD;
     return item > merge ? item : merge;
 }
 
@@ -452,8 +481,8 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
             for (int u = 0; u < CPL; ++u) {
                 if (lane + 32 * u >= HD / 8) continue;
                 float kf[8];
-                if constexpr (KV::SCALED) {  // the chunk's integers times each head's query, then its scale once
-                    KV::ints(kr[b][u], kf);
+                if constexpr (KV::SCALED) {  // the chunk's unscaled values times each head's query, then its scale once
+                    KV::unscaled(kr[b][u], kf);
                     const float d = KV::scale(kr[b][u]);
 #pragma unroll
                     for (int h = 0; h < GH; ++h) {
@@ -502,7 +531,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
                 float vf[8];
                 float wd[GH];  // the row's weight per head, times its chunk's scale (SCALED formats)
                 if constexpr (KV::SCALED) {
-                    KV::ints(vr[b][u], vf);
+                    KV::unscaled(vr[b][u], vf);
 #pragma unroll
                     for (int h = 0; h < GH; ++h) wd[h] = w[b][h] * KV::scale(vr[b][u]);
                 } else {
@@ -555,7 +584,7 @@ __device__ void attention_item_gqa(const AttentionLayer& L, int item, int pos, f
         __syncthreads();
     }
 
-    if (last_to_arrive(L.tickets + g, sp.chunks, flag)) attention_merge<M, THREADS>(L, g, sp.chunks, work);
+    if (last_to_arrive(L.tickets + g, sp.chunks, flag)) attention_merge<M, THREADS, KV>(L, g, sp.chunks, work);
 }
 
 }  // namespace lucegen

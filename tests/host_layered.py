@@ -81,7 +81,7 @@ def kv_format(cache, head_dim: int) -> str:
     """The KV format of a cache's rows (DeviceState: bf16 values, or the bytes of a quantized format's rows)."""
     if cache.a.dtype != np.uint8:
         return "bf16"
-    return next(f for f in ("q8_0", "q4_0") if kvformats.row_bytes(f, head_dim) == cache.a.shape[-1])
+    return next(f for f in ("q8_0", "q4_0", "tq3_0") if kvformats.row_bytes(f, head_dim) == cache.a.shape[-1])
 
 
 def store_kv(cache, start: int, rows: np.ndarray) -> None:

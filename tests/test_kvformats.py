@@ -195,36 +195,47 @@ KV_ROWS_MAIN = r"""
 #include <vector>
 using namespace lucegen;
 // argv: format rows head_dim in enc dec. Each row of `in` (floats) through KV::store_block, block by block, into
-// `enc`; then every 8-value chunk of the encoded rows back through KV::load and KV::values into `dec`.
-template <class KV> int run(int rows, int hd, const char* in, const char* enc, const char* dec) {
+// `enc`; then every 8-value chunk of the encoded rows back through KV::load and KV::values into `dec`. tq3_0 (its
+// encoder is warp-wide: GPU-tested): `in` holds encoded rows, which are decoded alone.
+static size_t read(const char* path, void* to, size_t size, size_t n) {
+    FILE* f = std::fopen(path, "rb");
+    const size_t got = std::fread(to, size, n, f);
+    std::fclose(f);
+    return got;
+}
+template <class KV> int run(int rows, int hd, bool encoded, const char* in, const char* enc, const char* dec) {
     const int row_bytes = hd / 32 * KV::BLOCK_BYTES;
     std::vector<float> x(static_cast<size_t>(rows) * hd), y(x.size());
-    FILE* f = std::fopen(in, "rb");
-    const size_t got = std::fread(x.data(), 4, x.size(), f);
-    std::fclose(f);
     std::vector<unsigned char> bytes(static_cast<size_t>(rows) * row_bytes + 16);
     unsigned char* b = bytes.data() + (16 - reinterpret_cast<size_t>(bytes.data()) % 16) % 16;
-    for (int r = 0; r < rows; ++r)
-        for (int k = 0; k < hd / 32; ++k) KV::store_block(x.data() + r * hd + 32 * k, b + r * row_bytes + k * KV::BLOCK_BYTES);
+    bool ok;
+    if constexpr (KV::GROUP == 32) {
+        ok = read(in, x.data(), 4, x.size()) == x.size();
+        for (int r = 0; r < rows; ++r)
+            for (int k = 0; k < hd / 32; ++k) KV::store_block(x.data() + r * hd + 32 * k, b + r * row_bytes + k * KV::BLOCK_BYTES);
+    } else {
+        ok = encoded && read(in, b, 1, static_cast<size_t>(rows) * row_bytes) == static_cast<size_t>(rows) * row_bytes;
+    }
     for (int r = 0; r < rows; ++r)
         for (int c = 0; c < hd / 8; ++c) {
             float v[8];
             KV::values(KV::load(b + r * row_bytes, c), v);
             std::memcpy(y.data() + r * hd + 8 * c, v, sizeof v);
         }
-    f = std::fopen(enc, "wb");
+    FILE* f = std::fopen(enc, "wb");
     std::fwrite(b, 1, static_cast<size_t>(rows) * row_bytes, f);
     std::fclose(f);
     f = std::fopen(dec, "wb");
     std::fwrite(y.data(), 4, y.size(), f);
     std::fclose(f);
-    return got != x.size();
+    return !ok;
 }
 int main(int argc, char** argv) {
     const int rows = std::atoi(argv[2]), hd = std::atoi(argv[3]);
-    if (!std::strcmp(argv[1], "bf16")) return run<KVBf16>(rows, hd, argv[4], argv[5], argv[6]);
-    if (!std::strcmp(argv[1], "q8_0")) return run<KVQ8_0>(rows, hd, argv[4], argv[5], argv[6]);
-    return run<KVQ4_0>(rows, hd, argv[4], argv[5], argv[6]);
+    if (!std::strcmp(argv[1], "bf16")) return run<KVBf16>(rows, hd, false, argv[4], argv[5], argv[6]);
+    if (!std::strcmp(argv[1], "q8_0")) return run<KVQ8_0>(rows, hd, false, argv[4], argv[5], argv[6]);
+    if (!std::strcmp(argv[1], "tq3_0")) return run<KVTQ3_0>(rows, hd, true, argv[4], argv[5], argv[6]);
+    return run<KVQ4_0>(rows, hd, false, argv[4], argv[5], argv[6]);
 }
 """
 
@@ -268,3 +279,21 @@ def test_tree_attention_kv_rows_are_ggufs_bit_for_bit(kv_rows_host, fmt, rows, h
     enc = np.fromfile(d / "enc.bin", np.uint8).reshape(rows, -1)
     np.testing.assert_array_equal(enc, kv.encode(x, fmt))
     np.testing.assert_array_equal(np.fromfile(d / "dec.bin", np.float32).reshape(rows, hd), kv.decode(enc, fmt))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), groups=st.integers(1, 3), log_scale=st.floats(-3, 3), seed=st.integers(0, 2**32 - 1))
+def test_tree_attention_reads_tq3_rows_as_the_reference_decodes_them(kv_rows_host, rows, groups, log_scale, seed):
+    """kv.cuh's KVTQ3_0, chunk by chunk, reads what kvformats.encode wrote as decode_rotated does, bit for bit (the
+    rotated domain attention works in)."""
+    import subprocess
+    hd = 128 * groups
+    x = (10.0 ** log_scale * np.random.default_rng(seed).standard_normal((rows, hd))).astype(np.float32)
+    raw = kv.encode(x, "tq3_0")
+    d = kv_rows_host
+    raw.tofile(d / "in.bin")
+    subprocess.run([str(d / "kvrows"), "tq3_0", str(rows), str(hd), str(d / "in.bin"), str(d / "enc.bin"),
+                    str(d / "dec.bin")], check=True)
+    np.testing.assert_array_equal(np.fromfile(d / "enc.bin", np.uint8).reshape(rows, -1), raw)
+    got = np.fromfile(d / "dec.bin", np.float32).reshape(rows, hd)
+    np.testing.assert_array_equal(got.view(np.uint32), kv.decode_rotated(raw).view(np.uint32))

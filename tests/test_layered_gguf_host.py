@@ -56,9 +56,9 @@ def test_the_row_kernels_xblocks_are_what_each_projection_would_quantize(gguf):
         assert err < bound, f"position {i}: relative error {err:.2e}, bound {bound:.2e}"
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "tq3_0"])
 def test_the_step_keeps_its_kv_cache_in_the_specs_format(gguf, fmt):
-    """tuning.kv_format q8_0 / q4_0: the cache holds the format's rows (bytes), and the step decodes as the reference
+    """tuning.kv_format q8_0 / q4_0 / tq3_0: the cache holds the format's rows (bytes), and the step decodes as the reference
     whose attention reads its K/V through the same format (kvformats.codec), within the bound above, and nearer
     to it than to the reference whose cache keeps its fp32 rows."""
     import dataclasses
@@ -89,9 +89,9 @@ def test_a_kv_format_the_step_does_not_read_yet_says_so_and_keeps_bf16_rows(gguf
     import dataclasses
     weights, _ = gguf
     base = load_spec("h200")
-    spec = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format="tq3_0"))
+    spec = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format="fp8"))
     with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
-        with pytest.warns(UserWarning, match="tq3_0 is not read by the layer-by-layer step's attention yet"):
+        with pytest.warns(UserWarning, match="fp8 is not read by the layer-by-layer step's attention for ratio3q"):
             engine = LayeredEngine(weights, RATIO3_Q, spec=spec, max_context=16, chunk=4)
         assert engine.state.kv_format == "bf16"
         engine.free()

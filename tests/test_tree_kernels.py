@@ -208,10 +208,10 @@ def test_compiles_without_spills_for_every_spec(tmp_path, spec_name, model, tile
         assert k.dynamic_smem + k.static_smem <= spec.chip.smem_per_block and k.coresident_blocks > 0
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "tq3_0"])
 def test_compiles_without_spills_for_each_kv_row_format(tmp_path, fmt):
-    """The tree attention with a quantized KV cache (tuning.kv_format; the specs name q8_0 on some chips, none
-    q4_0) on the 27B's tiled unit."""
+    """The tree attention with a quantized KV cache (tuning.kv_format; the specs name q8_0 and tq3_0 on some chips,
+    none q4_0) on the 27B's tiled unit."""
     import dataclasses
     base, cfg = load_spec("h200"), load_config("qwen3.5-27b")
     spec = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format=fmt))
@@ -222,7 +222,13 @@ def test_compiles_without_spills_for_each_kv_row_format(tmp_path, fmt):
 
 
 def test_the_kv_formats_the_tree_attention_does_not_read_fall_back_to_bf16_rows():
-    assert tree.kv_rows(load_spec("rtx4090")) == "q8_0" and tree.kv_rows(load_spec("rtx3090")) == "bf16"
+    import dataclasses
+    big, tiny = load_config("qwen3.5-27b"), tiny_config()  # head_dim 256 and 32
+    assert tree.kv_rows(load_spec("rtx4090"), big) == "q8_0" and tree.kv_rows(load_spec("rtx3090"), big) == "tq3_0"
+    assert tree.kv_rows(load_spec("rtx3090"), tiny) == "bf16"  # tq3_0 rows are groups of 128 values
+    base = load_spec("rtx4090")
+    fp8 = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, kv_format="fp8"))
+    assert tree.kv_rows(fp8, big) == "bf16"
 
 
 def test_lucegen_build_includes_it_and_a_model_it_cannot_take_says_why():

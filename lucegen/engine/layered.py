@@ -112,9 +112,9 @@ class LayeredStep:
         if not cfg.linear_layers or not cfg.full_layers:
             raise ValueError(f"{cfg.name}: the layer-by-layer step takes models with both DeltaNet and attention "
                              f"layers")
-        if state.kv_format != tree.kv_rows(spec):
+        if state.kv_format != tree.kv_rows(spec, cfg):
             raise ValueError(f"the state holds {state.kv_format} KV rows; {spec.name}'s kernels read "
-                             f"{tree.kv_rows(spec)} (tuning.kv_format)")
+                             f"{tree.kv_rows(spec, cfg)} (tuning.kv_format)")
         self.spec, self.weights, self.state, self.max_tokens = spec, weights, state, max_tokens
         self.max_rows = max(max_tokens, spec.tuning.ddtree.capacity + 1)
         if self.max_rows > qgemv.VERIFY_ROWS:
@@ -331,10 +331,11 @@ class LayeredEngine(Speculating):
         self.spec = spec or spec_for_current_device()
         self.max_context = min(max_context or self.spec.tuning.max_context, config.max_position_embeddings)
         self.weights = LayeredWeights(weight_source(weights, config))
-        kv = tree.kv_rows(self.spec)
+        kv = tree.kv_rows(self.spec, config)
         if kv != self.spec.tuning.kv_format:
             warnings.warn(f"{self.spec.name}: tuning.kv_format {self.spec.tuning.kv_format} is not read by the "
-                          f"layer-by-layer step's attention yet; its KV cache holds {kv} rows")
+                          f"layer-by-layer step's attention for {config.name} (head_dim {config.head_dim}); its KV "
+                          f"cache holds {kv} rows")
         self.state = DeviceState(config, self.max_context, kv)
         self.step = LayeredStep(self.spec, self.weights, self.state, chunk, build_root)
         self.build_root = build_root

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..codegen.unit import KernelSig, KernelUnit
+from ..model import kvformats
 from ..model.config import ModelConfig
 from ..reference.attention import causal_attention
 from ..reference.deltanet import causal_conv1d, recurrent_gated_delta_rule
@@ -38,15 +39,23 @@ ATT_WARPS = 8  # tree_attention's block, at least (and G + 2 warps: attention_qu
 ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a round of attention_item_gqa holds its
                # heads x rows scores, at most 32. An item's chunk is at least one round of its warps (27B at context
                # 512: 6,480 us a token against 6,547 with chunks of 2 rows a warp, session 21 run 3)
-KV_ROWS = {"bf16": "KVBf16", "q8_0": "KVQ8_0", "q4_0": "KVQ4_0"}  # the KV formats the tree attention reads (kv.cuh)
+KV_ROWS = {"bf16": "KVBf16", "q8_0": "KVQ8_0", "q4_0": "KVQ4_0", "tq3_0": "KVTQ3_0"}  # the formats it reads (kv.cuh)
 ATT_MAX_THREADS = 384  # a thread of tree_attention takes ~170 registers (65,536 / 384); more threads spill
 NULL = (0, ctypes.c_void_p)
 
 
-def kv_rows(spec: ChipSpec) -> str:
-    """The format of the KV rows the tree kernels write and read: the spec's tuning.kv_format where they take it,
-    else bf16 (tq3_0 and fp8 rows are not read by the tree attention yet)."""
-    return spec.tuning.kv_format if spec.tuning.kv_format in KV_ROWS else "bf16"
+def kv_rows(spec: ChipSpec, cfg: ModelConfig) -> str:
+    """The format of the KV rows the tree kernels write and read: the spec's tuning.kv_format where they take it and
+    the model's head_dim is whole groups of it (tq3_0: 128 values), else bf16 (fp8 rows are not read by the tree
+    attention yet)."""
+    fmt = spec.tuning.kv_format
+    if fmt not in KV_ROWS:
+        return "bf16"
+    try:
+        kvformats.check(fmt, cfg.head_dim)
+    except kvformats.KVFormatError:
+        return "bf16"
+    return fmt
 
 
 def att_heads(cfg: ModelConfig) -> int:
@@ -283,7 +292,7 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
                  min_chunk=att_min_chunk(cfg)),
         dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=att_rows(cfg),
-        max_nodes=max_nodes, kv_format=kv_rows(spec), kv_cls=KV_ROWS[kv_rows(spec)])
+        max_nodes=max_nodes, kv_format=kv_rows(spec, cfg), kv_cls=KV_ROWS[kv_rows(spec, cfg)])
     sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
             KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", threads),
             KernelSig("tree_kv_commit", KV_THREADS))

@@ -277,7 +277,7 @@ def test_attention_commit_is_sequential_decode(kernels, model, kind, n, start, s
     assert np.array_equal(d["values"].numpy()[:start + len(path)], values[:start + len(path)])
 
 
-# ---- quantized KV rows (tuning.kv_format q8_0 / q4_0) --------------------------------------------------------------
+# ---- quantized KV rows (tuning.kv_format q8_0 / q4_0 / tq3_0) --------------------------------------------------------
 @pytest.fixture(scope="module")
 def kv_kernels(tmp_path_factory):
     """kernels(model, fmt): the tree kernels of a spec whose tuning.kv_format is fmt."""
@@ -293,8 +293,8 @@ def kv_kernels(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("model", ["tiny", "27b"])
+@pytest.mark.parametrize("fmt, model", [("q8_0", "tiny"), ("q8_0", "27b"), ("q4_0", "tiny"), ("q4_0", "27b"),
+                                        ("tq3_0", "0.8b"), ("tq3_0", "27b")])  # tq3_0: head_dim a multiple of 128
 @pytest.mark.parametrize("kind", KINDS)
 @SETTINGS
 @given(start=STARTS, seed=st.integers(0, 2**32 - 1))
