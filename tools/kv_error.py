@@ -2,10 +2,12 @@
 
     python tools/kv_error.py qwen3.5-0.8b                 # random weights of a bundled config (no checkpoint needed)
     python tools/kv_error.py path/to/checkpoint --prompt 256 --decode 32
+    python tools/kv_error.py qwen3.5-0.8b --prompt 512 --decode 32 --results results/cpu-numpy.jsonl
 
 A teacher-forced run: prefill `--prompt` tokens, then decode `--decode` more one at a time, once per KV format and
 once with bf16 KV; the logits after the prompt and after each decoded token are compared (lucegen.model.kvformats).
-With a checkpoint folder the tokens come from its tokenizer over --text; otherwise they are random ids.
+With a checkpoint folder the tokens come from its tokenizer over --text; otherwise they are random ids. --results
+appends one record per format (kv_logits_rel_error, on the numpy reference: gpu "cpu-numpy").
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=TEXT)
+    p.add_argument("--results", type=Path, default=None, help="append the errors to this results file (jsonl)")
     args = p.parse_args()
     n = args.prompt + args.decode
     source = Path(args.model)
@@ -60,6 +63,13 @@ def main() -> int:
     for e in errors:
         print(f"{e.fmt:<7} {8 * kvformats.BYTES_PER_VALUE[e.fmt]:10.2f} {e.rel_error:11.2e} {e.top1_agree:12.1%} "
               f"{e.max_abs:11.3g}")
+    if args.results is not None:
+        from lucegen.bench.results import Recorder
+        rec = Recorder(gpu="cpu-numpy", out=args.results, command="python3 tools/kv_error.py " + " ".join(sys.argv[1:]))
+        model = f"{cfg.name}{' random' if what.startswith('random') else ''} prompt={args.prompt} decode={args.decode}"
+        for e in errors:
+            rec.record("kv_logits_rel_error", f"{model} kv={e.fmt}", e.rel_error, "rel", top1_agree=e.top1_agree,
+                       max_abs=e.max_abs, bits_per_value=8 * kvformats.BYTES_PER_VALUE[e.fmt], against="bf16 KV")
     return 0
 
 
