@@ -28,10 +28,9 @@
 //   acc = fma(-b, dxv, fma(a, fl(dx * u), acc)) (the formats with mins, Q4_K, Q5_K: u = sum of q qx, a = fl(d sc),
 //                                               b = fl(dmin m); Q4_0: u = sum of q qx, a = d, b = 8 d, its offset;
 //                                               dxv = fl(dx * v), v the sum of the qx: the XBlock holds it)
-// Every integer is exact and below 2^24, so its conversion to float is too (for the formats with mins, below 2^22:
-// an integer add and a float subtract, small_int_to_float, rather than an I2F). With the fused multiply-adds the
-// formats with mins take a conversion, a multiply and two FMAs a piece and activation row, where a term
-// fl(dx * fl(fl(a * u) - fl(b * v))) added to acc took seven instructions. The others would save one of four: not worth
+// Every integer is exact and below 2^24, so its conversion to float is too. With the fused multiply-adds the
+// formats with mins take four instructions a piece and activation row (a conversion, a multiply, two FMAs) where a
+// term fl(dx * fl(fl(a * u) - fl(b * v))) added to acc took seven. The others would save one of four: not worth
 // it, since it costs the h200 spec's dp4a Q6_K GEMM 12 bytes of spills. lucegen/kernels/qgemv.py emulates this in
 // numpy bit for bit (PieceFactors.accumulate, emulate).
 //
@@ -179,20 +178,13 @@ __device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[
 }
 __device__ __forceinline__ int dot_words(const unsigned (&w)[4], int4 x) { return dot_words(w, {x.x, x.y, x.z, x.w}); }
 
-// An integer |u| < 2^22 as a float, exactly, without an I2F (a conversion: an eighth of the FMA's rate): the bits
-// 0x4B400000 + u are the float 1.5 * 2^23 + u (the exponent stays that of 2^23 while |u| < 2^22), less 1.5 * 2^23.
-__device__ __forceinline__ float small_int_to_float(int u) {
-    return __fsub_rn(__int_as_float(0x4B400000 + u), 12582912.f);
-}
-
 // acc = fl(acc + fl(dx * fl(a * u))) and acc = fma(-b, dxv, fma(a, fl(dx * u), acc)): a group added to a sum (see
-// the top). The formats with mins have |u| <= 32 * 31 * 127 < 2^22 (Q5_K's 5 bits; Q4_K and Q4_0 take 4), so their u
-// converts without an I2F; Q6_K's u (its scales inside) reaches 2^24 and keeps the conversion.
+// the top).
 __device__ __forceinline__ float group_acc(float acc, float dx, float a, int u) {
     return __fadd_rn(acc, __fmul_rn(dx, __fmul_rn(a, static_cast<float>(u))));
 }
 __device__ __forceinline__ float group_acc(float acc, float dx, float a, int u, float b, float dxv) {
-    return __fmaf_rn(-b, dxv, __fmaf_rn(a, __fmul_rn(dx, small_int_to_float(u)), acc));
+    return __fmaf_rn(-b, dxv, __fmaf_rn(a, __fmul_rn(dx, static_cast<float>(u)), acc));
 }
 
 // F::Lane of the formats that need nothing more than the block and the piece.
