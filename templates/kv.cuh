@@ -45,7 +45,8 @@ struct FmtTQ3_0 {
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const unsigned lo = (pc.lo[r / 2] >> (16 * (r % 2))) & 0xFFFFu, hi = (pc.hi[0] >> (8 * r)) & 0xFFu;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(tq3_level(((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2)), pc.scale);
+        for (int i = 0; i < 8; ++i)
+            w[i] = __fmul_rn(tq3_level(((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2)), pc.scale);
     }
 };
 
@@ -90,7 +91,9 @@ struct KVBf16 {
     struct Raw {
         uint4 w;
     };
-    __device__ static Raw load(const unsigned char* row, int c) { return {__ldcg(reinterpret_cast<const uint4*>(row) + c)}; }
+    __device__ static Raw load(const unsigned char* row, int c) {
+        return {__ldcg(reinterpret_cast<const uint4*>(row) + c)};
+    }
     __device__ static void values(const Raw& r, float (&f)[8]) {
         const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&r.w);
 #pragma unroll
@@ -134,7 +137,8 @@ struct KVQ8_0 {
         for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
         const float d = __fdiv_rn(amax, 127.f), id = d == 0.f ? 0.f : __frcp_rn(d);
         kv_store_half(dst, d);
-        for (int j = 0; j < 32; ++j) dst[2 + j] = static_cast<unsigned char>(static_cast<signed char>(roundf(__fmul_rn(x[j], id))));
+        for (int j = 0; j < 32; ++j)
+            dst[2 + j] = static_cast<unsigned char>(static_cast<signed char>(roundf(__fmul_rn(x[j], id))));
     }
 };
 
@@ -161,7 +165,8 @@ struct KVQ4_0 {
     // q - 8: each nibble (moved to the low one) under the exponent of 2^23, less 2^23 + 8
     __device__ static void unscaled(const Raw& r, float (&f)[8]) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = byte_minus((r.q[i / 4] >> r.shift) & 0x0F0F0F0Fu, i % 4, MAGIC_U_VALUE + 8.f);
+        for (int i = 0; i < 8; ++i)
+            f[i] = byte_minus((r.q[i / 4] >> r.shift) & 0x0F0F0F0Fu, i % 4, MAGIC_U_VALUE + 8.f);
     }
     __device__ static void values(const Raw& r, float (&f)[8]) { kv_scaled<KVQ4_0>(r, f); }
     __device__ static void store_block(const float* x, unsigned char* dst) {
@@ -170,7 +175,9 @@ struct KVQ4_0 {
             if (fabsf(x[j]) > fabsf(m)) m = x[j];
         const float d = __fdiv_rn(m, -8.f), id = d == 0.f ? 0.f : __frcp_rn(d);
         kv_store_half(dst, d);
-        const auto q = [&](int j) { return min(15u, static_cast<unsigned>(truncf(__fadd_rn(__fmul_rn(x[j], id), 8.5f)))); };
+        const auto q = [&](int j) {
+            return min(15u, static_cast<unsigned>(truncf(__fadd_rn(__fmul_rn(x[j], id), 8.5f))));
+        };
         for (int j = 0; j < 16; ++j) dst[2 + j] = static_cast<unsigned char>(q(j) | q(j + 16) << 4);
     }
 };

@@ -161,7 +161,9 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
     float* total = wgt + max_chunks * G;  // [G] their sums
     float* merged = work + (max_chunks * G + G + 3) / 4 * 4;  // [G][HD] the outputs before the rotation back
                                                               // (ROTATED formats), 16-byte aligned
-    const auto gate = [&](int e) { return sigmoid(load_coherent(L.qkv + (size_t)(g * G + e / HD) * 2 * HD + HD + e % HD)); };
+    const auto gate = [&](int e) {  // output e's gate, sigmoid applied
+        return sigmoid(load_coherent(L.qkv + (size_t)(g * G + e / HD) * 2 * HD + HD + e % HD));
+    };
     if (warp < G) {
         const float2* ml = reinterpret_cast<const float2*>(L.part_ml) + (size_t)g * max_chunks * G;  // (max, sum)
         float mx = -__int_as_float(0x7f800000);
@@ -203,7 +205,7 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
         for (int e = threadIdx.x; e < G * HD; e += THREADS) L.out[g * G * HD + e] = merged[e] * gate(e);
     }
     if constexpr (G * HD % 32 == 0)
-        if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of their own
+        if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of theirs
             __syncthreads();
             for (int i = threadIdx.x; i < G * HD / 32; i += THREADS)
                 L.out_q[g * G * HD / 32 + i] = quantize_xblock(L.out + g * G * HD + 32 * i);
@@ -276,7 +278,8 @@ __device__ __forceinline__ void attention_queries(const AttentionLayer& L, int g
         __syncthreads();
         if constexpr (KV::BF16) {
             for (int d = threadIdx.x; d < 2 * HD; d += THREADS)
-                (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] = __float2bfloat16(d < HD ? k[d] : v[d - HD]);
+                (d < HD ? L.keys : L.values)[kv_offset<M>(g, pos) + d % HD] =
+                    __float2bfloat16(d < HD ? k[d] : v[d - HD]);
         } else {
             const size_t row = kv_row<KV, M::ATT_NKV, HD>(g, pos);
             kv_store_row<KV, HD, THREADS>(k, reinterpret_cast<unsigned char*>(L.keys) + row);
