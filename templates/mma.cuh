@@ -17,11 +17,16 @@ namespace lucegen {
 
 // ---- cp.async: global -> shared, 16 bytes per thread, completing by groups ------------------------------------
 
-// Copy 16 bytes; when `valid` is false the 16 shared bytes are zero-filled and `src` is not read.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
+// Copy 16 bytes to the shared-space address dst (shared_addr); when `valid` is false the 16 shared bytes are
+// zero-filled and `src` is not read.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
+}
+
+// The same to a generic pointer into shared memory.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    cp_async16(shared_addr(dst), src, valid);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

@@ -309,6 +309,10 @@ struct QGemmMma {
     static constexpr int STAGE_BYTES = X_STAGE + MT * X_SLOT;
     static constexpr int RING = STAGES * STAGE_BYTES;
     static constexpr int RED = 32 * ROWS * MT * 4;  // the class sums of the block's outputs (after the ring's use)
+    // the last slice's bytes of a row, and of an activation row (a partial slice where K is not whole slices)
+    static constexpr int LAST_BYTES = static_cast<int>(Q::ROW_BYTES - (long long)(Q::SLICES - 1) * Q::SLICE_BYTES);
+    static constexpr int X_LAST_BYTES =
+        static_cast<int>(Q::X_ROW_BYTES - (long long)(Q::SLICES - 1) * Q::X_SLICE_BYTES);
     static constexpr int SMEM = RING > RED ? RING : RED;
 };
 
@@ -331,31 +335,32 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
     const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
     const unsigned char* const w_row = W + row_start(cj);
-    const unsigned char* const x_row = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES;
+    const unsigned char* const x_words = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES + 16 * xw;
     const bool x_copies = xm < 8 * nts, x_real = m0 + xm < M;
+    // Where the thread's first words of a stage go (shared-space addresses, worked out once): its copy i lies
+    // 16 W_THREADS i (16 X_THREADS i) bytes further, in the shared memory and in the global memory alike.
+    const unsigned w_dst = shared_addr(smem) + cj * R::W_SLOT + 16 * cw;
+    const unsigned x_dst = shared_addr(smem) + R::X_STAGE + xm * R::X_SLOT + 16 * xw;
     // Slice s into stage s % STAGES: each weight row's bytes from the 16-byte word holding its first, and the
     // XBlocks of the activation rows of the n-tiles in use.
     const auto issue = [&](int s) {  // every thread: its share of slice s's copies (if any); always one commit group
         if (s < Q::SLICES) {
-            unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
-            const int bytes = min(Q::SLICE_BYTES, static_cast<int>(Q::ROW_BYTES - (long long)s * Q::SLICE_BYTES));
+            const unsigned stage = (s % STAGES) * R::STAGE_BYTES;
+            const bool last = s == Q::SLICES - 1;
             const unsigned char* start = w_row + (long long)s * Q::SLICE_BYTES;
-            const unsigned char* from =
-                reinterpret_cast<const unsigned char*>(reinterpret_cast<size_t>(start) & ~size_t(15));
-            const int end = static_cast<int>(start - from) + bytes;  // past the slice's last byte, from `from`
+            const int lead = F::ALIGNED16 ? 0 : static_cast<int>(reinterpret_cast<size_t>(start) & 15);
+            const unsigned char* from = start - lead + 16 * cw;
+            const int end = lead + (last ? R::LAST_BYTES : Q::SLICE_BYTES);  // past the slice's last byte
 #pragma unroll
-            for (int i = 0; i < R::W_COPIES; ++i) {
-                const int w = cw + R::W_THREADS * i;
-                if (16 * w < end) cp_async16(stage + cj * R::W_SLOT + 16 * w, from + 16 * w, true);
-            }
-            const long long xs = (long long)s * Q::X_SLICE_BYTES;
-            const int xbytes = min(Q::X_SLICE_BYTES, static_cast<int>(Q::X_ROW_BYTES - xs));
+            for (int i = 0; i < R::W_COPIES; ++i)
+                if (16 * (cw + R::W_THREADS * i) < end)
+                    cp_async16(w_dst + stage + 16 * R::W_THREADS * i, from + 16 * R::W_THREADS * i, true);
+            const int xbytes = last ? R::X_LAST_BYTES : Q::X_SLICE_BYTES;
+            const unsigned char* xfrom = x_words + (long long)s * Q::X_SLICE_BYTES;
 #pragma unroll
-            for (int i = 0; i < R::X_COPIES; ++i) {
-                const int w = xw + R::X_THREADS * i;
-                if (x_copies && 16 * w < xbytes)
-                    cp_async16(stage + R::X_STAGE + xm * R::X_SLOT + 16 * w, x_row + xs + 16 * w, x_real);
-            }
+            for (int i = 0; i < R::X_COPIES; ++i)
+                if (x_copies && 16 * (xw + R::X_THREADS * i) < xbytes)
+                    cp_async16(x_dst + stage + 16 * R::X_THREADS * i, xfrom + 16 * R::X_THREADS * i, x_real);
         }
         cp_async_commit();
     };
@@ -453,11 +458,16 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         float v[32];
 #pragma unroll
         for (int l = 0; l < 32; ++l) v[l] = red[(l * R::ROWS + row) * MT + m];
+        // warp_sum's order: lane l adds lane l ^ w's partial, w = 16, 8, 4, 2, 1 (constant trip counts, so that v
+        // stays in registers)
 #pragma unroll
-        for (int w = 16; w > 0; w >>= 1)  // warp_sum's order: lane l adds lane l ^ w's partial
+        for (int l = 0; l < 16; ++l) v[l] += v[l + 16];
 #pragma unroll
-            for (int l = 0; l < w; ++l) v[l] += v[l + w];
-        y[(long long)(m0 + m) * N + r0 + row] = v[0];
+        for (int l = 0; l < 8; ++l) v[l] += v[l + 8];
+#pragma unroll
+        for (int l = 0; l < 4; ++l) v[l] += v[l + 4];
+        v[0] += v[2], v[1] += v[3];
+        y[(long long)(m0 + m) * N + r0 + row] = v[0] + v[1];
     }
 }
 
