@@ -313,7 +313,8 @@ struct QGemmMma {
     static constexpr int LAST_BYTES = static_cast<int>(Q::ROW_BYTES - (long long)(Q::SLICES - 1) * Q::SLICE_BYTES);
     static constexpr int X_LAST_BYTES =
         static_cast<int>(Q::X_ROW_BYTES - (long long)(Q::SLICES - 1) * Q::X_SLICE_BYTES);
-    static constexpr int SMEM = RING > RED ? RING : RED;
+    static constexpr int BARS = RING > RED ? RING : RED;  // the stages' mbarriers (bulk copies, sm_90)
+    static constexpr int SMEM = BARS + 8 * STAGES;
 };
 
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
@@ -328,6 +329,45 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // Where row j starts in W (rows past N: the last row's; their outputs are dropped).
     const auto row_start = [&](int j) { return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES; };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Slice s into stage s % STAGES by the copy engine, one bulk copy a row: each weight row's bytes from the 16-byte
+    // word holding its first, and the XBlocks of the activation rows in use (rows past M are not copied: what their
+    // slots hold reaches only their outputs, which are dropped). Copy c is lane c / 8 of warp c % 8's (a bulk copy
+    // takes warp-uniform operands, so a warp's are issued one after the other); each warp's lane 0 arrives on the
+    // stage's mbarrier with its copies' bytes. Every warp waits on it, then on the block (every warp is done with
+    // the stage refilled next).
+    constexpr int COPIES = (R::ROWS + MT + 7) / 8;  // a warp's copies at most
+    auto* bars = reinterpret_cast<unsigned long long*>(smem + R::BARS);
+    const int x_rows = min(8 * nts, M - m0);
+    const auto issue = [&](int s) {  // every warp
+        if (s >= Q::SLICES) return;
+        unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
+        const bool last = s == Q::SLICES - 1;
+        const int c = warp + 8 * lane;
+        unsigned bytes = 0;
+        const unsigned char* from = W;
+        unsigned char* to = stage;
+        if (c < R::ROWS) {  // weight row c
+            const unsigned char* start = W + row_start(c) + (long long)s * Q::SLICE_BYTES;
+            const int lead = F::ALIGNED16 ? 0 : static_cast<int>(reinterpret_cast<size_t>(start) & 15);
+            bytes = (lead + (last ? R::LAST_BYTES : Q::SLICE_BYTES) + 15) / 16 * 16;
+            from = start - lead, to = stage + c * R::W_SLOT;
+        } else if (c < R::ROWS + x_rows) {  // activation row c - ROWS
+            bytes = last ? R::X_LAST_BYTES : Q::X_SLICE_BYTES;
+            from = x + (long long)(m0 + c - R::ROWS) * Q::X_ROW_BYTES + (long long)s * Q::X_SLICE_BYTES;
+            to = stage + R::X_STAGE + (c - R::ROWS) * R::X_SLOT;
+        }
+        const unsigned total = __reduce_add_sync(0xFFFFFFFFu, bytes);
+        if (lane == 0) mbar_expect_tx(&bars[s % STAGES], total);  // the warp's arrival, before its copies
+        __syncwarp();
+        fence_proxy_async();  // the stage's earlier reads (every warp's, ordered by the block barrier) come first
+        if (lane < COPIES && bytes) bulk_g2s(to, from, bytes, &bars[s % STAGES]);
+    };
+    const auto landed = [&](int s) { mbar_wait(&bars[s % STAGES], (s / STAGES) & 1); };
+    if (threadIdx.x < STAGES) mbar_init(&bars[threadIdx.x], THREADS / 32);
+    if (threadIdx.x == 0) fence_barrier_init();
+    __syncthreads();  // the barriers are initialised
+#else
     // This thread's copies: words cw + W_THREADS i of weight row cj's slot, words xw + X_THREADS i of activation
     // row xm's (rows of n-tiles past nts: none). Rows past M are zeros, read from nowhere (their outputs are
     // dropped): copied from the last row, each copy of the same words at once cost the block ~2 us a duplicate row
@@ -341,9 +381,10 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     // 16 W_THREADS i (16 X_THREADS i) bytes further, in the shared memory and in the global memory alike.
     const unsigned w_dst = shared_addr(smem) + cj * R::W_SLOT + 16 * cw;
     const unsigned x_dst = shared_addr(smem) + R::X_STAGE + xm * R::X_SLOT + 16 * xw;
-    // Slice s into stage s % STAGES: each weight row's bytes from the 16-byte word holding its first, and the
-    // XBlocks of the activation rows of the n-tiles in use.
-    const auto issue = [&](int s) {  // every thread: its share of slice s's copies (if any); always one commit group
+    // Slice s into stage s % STAGES with cp.async, by every thread: each weight row's bytes from the 16-byte word
+    // holding its first, and the XBlocks of the activation rows of the n-tiles in use. Every thread waits for its
+    // copies, then on the block (every thread's have landed; every warp is done with the stage refilled next).
+    const auto issue = [&](int s) {  // always one commit group
         if (s < Q::SLICES) {
             const unsigned stage = (s % STAGES) * R::STAGE_BYTES;
             const bool last = s == Q::SLICES - 1;
@@ -364,6 +405,8 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         }
         cp_async_commit();
     };
+    const auto landed = [&](int) { cp_async_wait<STAGES - 2>(); };
+#endif
     float acc[TILES][4][NT][4];
 #pragma unroll
     for (int i = 0; i < TILES; ++i)
@@ -385,9 +428,9 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
 #pragma unroll 1
     for (int s = 0; s < Q::SLICES; ++s) {
-        cp_async_wait<STAGES - 2>();  // this thread's copies of slice s have landed ...
-        __syncthreads();              // ... and every thread's; every warp is done with slice s - 1's stage
-        issue(s + STAGES - 1);        // into that stage
+        landed(s);       // slice s is in its stage ...
+        __syncthreads();  // ... for every thread; every warp is done with slice s - 1's stage
+        issue(s + STAGES - 1);  // into that stage
         if (s * (32 / F::PIECES) + wb >= BLOCKS) continue;  // a partial last slice without this warp's block:
                                                             // qgemm's lanes skip it too
         const unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
@@ -437,7 +480,9 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
             }
         }
     }
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
     cp_async_wait<0>();
+#endif
     launch_next_grid();
     __syncthreads();  // every warp is done with the ring: its memory takes the class sums
     float* red = reinterpret_cast<float*>(smem);  // [class][row][activation]

@@ -299,13 +299,14 @@ class Tuning:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
         larger of the block's ring (`stages` slices of its rows and mt activation rows, each row's slot an odd
         number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the ring's
-        memory; for bulk the ring of tiles (each row's span slices widened to 16-byte words), the activations'
-        XBlocks of a row of K and an mbarrier a stage and for the activations (qgemv.cuh's QGemvBulk)."""
+        memory, then an mbarrier a stage (sm_90's bulk copies); for bulk the ring of tiles (each row's span slices
+        widened to 16-byte words), the activations' XBlocks of a row of K and an mbarrier a stage and for the
+        activations (qgemv.cuh's QGemvBulk)."""
         if self.mma:
             odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
             rows = self.rows_per_block()
             stage = rows * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
-            return max(self.stages * stage, 32 * rows * self.mt * 4)
+            return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
         if self.bulk:
             slot = (self.span * fmt.slice_bytes + 15 + 15) // 16 * 16
             return self.stages * self.rows_per_block() * slot + k // fmt.block_values * fmt.x_block_bytes + \
