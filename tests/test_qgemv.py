@@ -111,8 +111,12 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
                 *gemms, t = gemms  # it unless it takes all M
                 assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True)
                 assert t.rows_per_block() == 16 * qgemv.MMA_TILES[f.name]
-            dp4a = [mt for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
-            assert [t.mt for t in gemms] == dp4a
+            # dp4a's M-tiles: each one that some M below gemm_mma_from (every M, without mma) takes
+            takes = {m: qgemv.for_rows((v, *gemms), m, q.gemm_mma_from if mma else 66).mt
+                     for m in range(2, q.gemm_mma_from if mma else q.gemm_m_tile + 1)}
+            assert [t.mt for t in gemms] == sorted(set(takes.values()))
+            assert all(mt >= m or mt == max(takes.values()) for m, mt in takes.items())  # a tile holds its M, or
+            # the largest takes it in M-tiles
             assert all(t.span == min(q.gemm_span, slices) and not t.mma for t in gemms)
             assert len({t.name(f, k) for t in (v, *gemms)}) == 1 + len(gemms)
 

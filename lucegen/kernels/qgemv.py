@@ -326,12 +326,12 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
     that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_TILES, MMA_STAGES), which calls of at
-    least gemm_mma_from rows take (for_rows)."""
+    least gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     mma = q.gemm == "mma" and fmt.mma
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
-             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and q.gemm_mma_from == 2)]
+             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.gemm_mma_from)]
     if mma:
         gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE, 1, MMA_STAGES, mma=True))
     if q.bulk_stages and fmt.name in q.bulk_formats:
@@ -353,6 +353,11 @@ def bulk_tuning(spec: ChipSpec, fmt: Format, k: int) -> Tuning:
         raise ValueError(f"{spec.name}: no bulk GEMV of {fmt.name} rows of K = {k} fits {q.bulk_blocks} blocks an SM "
                          f"(tuning.qgemv.bulk_blocks, bulk_stages {q.bulk_stages}, bulk_warps {q.bulk_warps})")
     return Tuning(32 * q.bulk_warps, 1, 1, max(fits), q.bulk_stages, min_blocks=q.bulk_blocks, bulk=True)
+
+
+def tile_from(mt: int) -> int:
+    """The smallest M that takes the GEMM's M-tile mt (of 2, 4, 8, 16: the one past half of it; 2 for 2)."""
+    return max(2, mt // 2 + 1)
 
 
 def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
