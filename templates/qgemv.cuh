@@ -282,16 +282,17 @@ __device__ void qgemv_bulk(const unsigned char* __restrict__ W, const unsigned c
 // lane does. At the end the 32 class sums of each output meet in shared memory and are added in warp_sum's
 // butterfly order.
 //
-// Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block copies
-// with 16-byte cp.async, STAGES - 1 slices ahead of the one multiplied: the rows' slices (each widened to the
-// 16-byte words around it, as qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation
-// rows' XBlocks of the slice. Each thread copies words of one weight row and one activation row (THREADS / ROWS and
-// THREADS / MT threads a row), so where they come from is worked out once. An activation fragment serves the TILES
-// row tiles: XBlocks are 1.5 bytes a value against Q4_K's 0.56, so at 16 rows a block the activations were most of
-// what a block copied. Read from global memory instead, each piece's activations cost the warp a round trip to L2
-// between its mma (measured: slower than dp4a). Each row slot is an odd number of 16-byte words, so that the 8
-// rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An M-tile's n-tiles of 8 past M
-// are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
+// Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block fills
+// STAGES - 1 slices ahead of the one multiplied: the rows' slices (each widened to the 16-byte words around it, as
+// qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation rows' XBlocks of the slice.
+// On sm_90 the copy engine moves them, one bulk copy a row; elsewhere every thread copies 16-byte words of one weight
+// row and one activation row with cp.async (THREADS / ROWS and THREADS / MT threads a row), so where they come from
+// is worked out once. (The bulk copies: 4% faster on the 27B's shapes, results/logs/h200-s23-run4-qgemm-mma-bulk-ab.)
+// An activation fragment serves the TILES row tiles: XBlocks are 1.5 bytes a value against Q4_K's 0.56, so at 16 rows a
+// block the activations were most of what a block copied. Read from global memory instead, each piece's activations
+// cost the warp a round trip to L2 between its mma (measured: slower than dp4a). Each row slot is an odd number of
+// 16-byte words, so that the 8 rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An
+// M-tile's n-tiles of 8 past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
