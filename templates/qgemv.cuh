@@ -429,8 +429,8 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
 #pragma unroll 1
     for (int s = 0; s < Q::SLICES; ++s) {
-        landed(s);       // slice s is in its stage ...
-        __syncthreads();  // ... for every thread; every warp is done with slice s - 1's stage
+        landed(s);              // slice s is in its stage ...
+        __syncthreads();        // ... for every thread; every warp is done with slice s - 1's stage
         issue(s + STAGES - 1);  // into that stage
         if (s * (32 / F::PIECES) + wb >= BLOCKS) continue;  // a partial last slice without this warp's block:
                                                             // qgemm's lanes skip it too
