@@ -296,7 +296,7 @@ __device__ void qgemv_bulk(const unsigned char* __restrict__ W, const unsigned c
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
-    static_assert(MT % 8 == 0 && THREADS % MT == 0, "activation rows in mma tiles of 8, whole threads a row");
+    static_assert(MT % 8 == 0, "activation rows in mma tiles of 8");
     static_assert(TILES == 1 || TILES == 2, "one or two row tiles of 16");
     static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
     using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
@@ -369,6 +369,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     if (threadIdx.x == 0) fence_barrier_init();
     __syncthreads();  // the barriers are initialised
 #else
+    static_assert(THREADS % MT == 0 && THREADS % R::ROWS == 0, "cp.async copies: whole threads a row");
     // This thread's copies: words cw + W_THREADS i of weight row cj's slot, words xw + X_THREADS i of activation
     // row xm's (rows of n-tiles past nts: none). Rows past M are zeros, read from nowhere (their outputs are
     // dropped): copied from the last row, each copy of the same words at once cost the block ~2 us a duplicate row

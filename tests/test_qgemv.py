@@ -107,10 +107,11 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             else:
                 assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
-            if mma:  # tensor cores: the last kernel, the format's tiles of 16 rows a block; dp4a's M-tiles before
-                *gemms, t = gemms  # it unless it takes all M
-                assert (t.mt, t.stages, t.mma) == (qgemv.MMA_M_TILE, qgemv.MMA_STAGES, True)
-                assert t.rows_per_block() == 16 * qgemv.MMA_TILES[f.name]
+            if mma:  # tensor cores: the last kernels, the format's M-tiles and tiles of 16 rows a block; dp4a's
+                tilings = qgemv.MMA_TILINGS[f.name]  # M-tiles before them unless they take all M
+                gemms, mmas = gemms[:-len(tilings)], gemms[-len(tilings):]
+                assert [(t.mt, t.rows_per_block() // 16) for t in mmas] == list(tilings)
+                assert all(t.stages == qgemv.MMA_STAGES and t.mma for t in mmas)
             # dp4a's M-tiles: each one that some M below gemm_mma_from (every M, without mma) takes
             takes = {m: qgemv.for_rows((v, *gemms), m, q.gemm_mma_from if mma else 66).mt
                      for m in range(2, q.gemm_mma_from if mma else q.gemm_m_tile + 1)}
@@ -162,6 +163,15 @@ def test_the_mma_gemm_takes_calls_from_its_threshold():
     assert [t.mt for t in picks[:3]] == [1, 2, 8]
     assert qgemv.for_rows(kernels, 2, mma_from=2) is mma     # from the smallest GEMM
     assert qgemv.for_rows([mma], 1, mma_from=33) is mma       # the only kernel takes every call
+
+
+def test_the_mma_gemm_with_the_fewest_m_tiles_takes_a_call():
+    mt16, mt24 = (qgemv.Tuning(256, 1, mt, 1, 2, mma=True) for mt in (16, 24))
+    kernels = [qgemv.Tuning(256, 1, 1, 1), mt16, mt24]
+    picks = {m: qgemv.for_rows(kernels, m, mma_from=5).mt for m in (5, 16, 17, 24, 25, 32, 33, 48, 49, 64)}
+    # fewer tiles of 24 at 17-24 and 33-48 (2 against 3), 49-64 (3 against 4); ties (1 tile up to 16, 2 at 25-32)
+    # go to the smaller tile
+    assert picks == {5: 16, 16: 16, 17: 24, 24: 24, 25: 16, 32: 16, 33: 24, 48: 24, 49: 24, 64: 24}
 
 
 def test_ring_sizes_worked_out_by_hand():

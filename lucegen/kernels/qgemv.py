@@ -33,14 +33,14 @@ DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
-# qgemm_mma's M-tile and row tiles a block per format, and its ring depth, on the spec's GEMMs. Measured on the
-# H200 (27B ffn shapes, us; results/logs/h200-s11-run3-qgemm-mma-ab): Q4_K at mt16 with two row tiles (each
-# activation fragment serves both) beat dp4a and session 10's kernel (16 rows, mt24) from M = 16 (ffn_up M=16 54
-# against 67; M=23 82 against 91; M=32 94 against 129). Q6_K's fragments leave no registers for two tiles at mt16
-# or for mt24 (spills): mt16 beat dp4a from M = 16 (80-84 against 96), session 10's mt24 stays ahead at M = 17 to 23
-# (106 against 120 at M = 23).
-MMA_M_TILE, MMA_STAGES = 16, 2
-MMA_TILES = {"q4_k": 2, "q6_k": 1}
+# qgemm_mma's kernels per format, (M-tile, row tiles of 16 a block), and their ring depth; a call takes the one
+# with the fewest M-tiles for its M, then the smallest M-tile (for_rows). Measured on the H200, the 27B's three
+# shapes summed (results/logs/h200-s24-run1-qgemm-mma-m-tiles): Q4_K's two row tiles at mt16 (each activation fragment
+# serves both) beat one at mt24 at M = 17-32 (M=23 162 against 181 us; M=32 181 against 235); Q6_K's mt24 (one row
+# tile) beats mt16 at M = 17-24 (M=17 193 against 261; M=23 223 against 267), not at 16 (184 against 179) or 32
+# (300 against 287); mt32 (118 KB a block: one an SM) lost everywhere.
+MMA_TILINGS = {"q4_k": ((16, 2),), "q6_k": ((16, 1), (24, 1))}
+MMA_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -325,15 +325,15 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it also get the GEMM on int8 tensor cores (MMA_M_TILE, MMA_TILES, MMA_STAGES), which calls of at
-    least gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
+    that have it also get the GEMMs on int8 tensor cores (MMA_TILINGS, MMA_STAGES), which calls of at least
+    gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     mma = q.gemm == "mma" and fmt.mma
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.gemm_mma_from)]
     if mma:
-        gemms.append(Tuning(MMA_THREADS, MMA_TILES[fmt.name], MMA_M_TILE, 1, MMA_STAGES, mma=True))
+        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in MMA_TILINGS[fmt.name]]
     if q.bulk_stages and fmt.name in q.bulk_formats:
         gemv = bulk_tuning(spec, fmt, k)
     else:
@@ -361,12 +361,13 @@ def tile_from(mt: int) -> int:
 
 
 def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
-    """The kernel for M rows: the int8 mma GEMM where there is one and M >= mma_from (or it is the only kernel);
-    else the GEMV for one row, the smallest M-tile holding them, or the largest."""
+    """The kernel for M rows: an int8 mma GEMM where there is one and M >= mma_from (or they are the only kernels),
+    the one with the fewest M-tiles for M, then the smallest M-tile; else the GEMV for one row, the smallest M-tile
+    holding them, or the largest."""
     mma = [t for t in kernels if t.mma]
     rest = [t for t in kernels if not t.mma]
     if mma and (not rest or m >= max(2, mma_from)):
-        return mma[0]
+        return min(mma, key=lambda t: (-(-m // t.mt), t.mt))
     fits = [t for t in rest if t.mt >= m and (m == 1 or t.mt > 1)]
     return min(fits, key=lambda t: t.mt) if fits else max(rest, key=lambda t: t.mt)
 
