@@ -61,7 +61,7 @@ class TreeMixer:
             L = W.layers[i]
             s.tree.deltanet_commit(self.tree, length, rows(self.mixed[i], n, L["lin_in"].n), L["conv"], L["a_log"],
                                    L["dt_bias"], s.state.conv[i], s.state.recurrent[i],
-                                   rows(s.mix_out, n, c.value_dim), 0, s.io, stream=stream)
+                                   rows(s.mix_out, n, c.value_dim), 0, s.io, stream=stream, layer=i)
         for i in c.full_layers:
             s.tree.kv_commit(length, s.state.keys[i], s.state.values[i], 0, s.io, stream=stream)
 

@@ -42,6 +42,7 @@ ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a r
 KV_ROWS = {"bf16": "KVBf16", "q8_0": "KVQ8_0", "q4_0": "KVQ4_0", "tq3_0": "KVTQ3_0"}  # the formats it reads (kv.cuh)
 ATT_MAX_THREADS = 384  # a thread of tree_attention takes ~170 registers (65,536 / 384); more threads spill
 NULL = (0, ctypes.c_void_p)
+VERIFY, STEP_COMMIT, PATH_COMMIT = 0, 1, 2  # tree_deltanet's commit argument (templates/tree.cu.j2)
 
 
 def kv_rows(spec: ChipSpec, cfg: ModelConfig) -> str:
@@ -340,7 +341,8 @@ class TreeKernels:
         part = self.max_nodes * cfg.num_key_value_heads * chunks * group
         self.part_ml = DeviceArray.empty(part * 2, np.float32)
         self.part_acc = DeviceArray.empty(part * cfg.head_dim, np.float32)
-        self.tickets = DeviceArray.zeros(self.max_nodes * cfg.num_key_value_heads + 1, np.uint32)
+        # the attention merges' tickets, then the DeltaNet's: one a layer (path commits run side by side)
+        self.tickets = DeviceArray.zeros(self.max_nodes * cfg.num_key_value_heads + cfg.num_hidden_layers, np.uint32)
         self.norm_tickets = DeviceArray.zeros(cfg.linear_num_value_heads // norm_heads(cfg), np.uint32)
         # [parents | depth | schedule | path] of a round's tree, then of the 1-node tree
         self.ints = DeviceArray.empty(4 * self.max_nodes + 3, np.int32)
@@ -372,13 +374,13 @@ class TreeKernels:
         return len(path)
 
     def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, steps, levels, codes,
-                  commit, stream, norm=None):
+                  commit, stream, norm=None, layer=0):
         cfg = self.cfg
         grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
-        ticket = self.tickets.view(1, np.uint32, 4 * self.max_nodes * cfg.num_key_value_heads)
+        ticket = self.tickets.view(1, np.uint32, 4 * (self.max_nodes * cfg.num_key_value_heads + layer))
         w, normed, normed_q = norm or (NULL, NULL, NULL)
         self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, int(commit), w, normed,
+                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, commit, w, normed,
                  NULL if normed_q is None else normed_q, self.norm_tickets, smem=dn_smem(cfg, levels, steps),
                  stream=stream)
 
@@ -388,21 +390,23 @@ class TreeKernels:
         normed, normed_q): also normed [N, Hv * dv] = the gated RMSNorm (weight w, gate z from mixed) of out, and its
         XBlocks into normed_q (None: none)."""
         self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, tree.n, tree.levels,
-                       tree.d_schedule, False, stream, norm)
+                       tree.d_schedule, VERIFY, stream, norm)
 
     def deltanet_commit(self, tree: DeviceTree, length: int, mixed, conv_w, a_log, dt_bias, ring, state, out,
-                        start: int, io=None, stream=None) -> None:
-        """The accepted path (set_path) replayed into ring and state: they become what decoding its tokens one by
-        one leaves. out rows of the path's nodes are rewritten with the same values."""
+                        start: int, io=None, stream=None, layer: int = 0) -> None:
+        """The accepted path (set_path) replayed into ring and state of layer `layer`: they become what decoding its
+        tokens one by one leaves. out rows of the path's nodes are rewritten with the same values. The kernel does
+        not wait for the one before: its inputs come from the verify, which set_path's upload on the stream follows
+        (and so do the path's kv_commit), so the layers' commits run side by side."""
         self._deltanet(tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, length, 0, self.path,
-                       True, stream)
+                       PATH_COMMIT, stream, layer=layer)
 
     def decode_deltanet(self, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
                         stream=None, norm=None) -> None:
         """The decode step at position start: out [1, Hv * dv]; ring and state advanced; norm as deltanet's."""
         t = self.single
-        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, 1, 0, t.d_schedule, True,
-                       stream, norm)
+        self._deltanet(t, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, 1, 0, t.d_schedule,
+                       STEP_COMMIT, stream, norm)
 
     def attention_kv(self, tree: DeviceTree, qkv, k_norm, keys, values, start: int, io=None, stream=None) -> None:
         """Node n's K/V rows into cache rows start + n (the cache must hold start + N rows)."""
@@ -428,7 +432,8 @@ class TreeKernels:
         self._attention(self.single, qkv, q_norm, k_norm, keys, values, out, start, io, True, stream, out_q)
 
     def kv_commit(self, length: int, keys, values, start: int, io=None, stream=None) -> None:
-        """The accepted path's rows (set_path) moved to start .. start + length - 1."""
+        """The accepted path's rows (set_path) moved to start .. start + length - 1 (no wait for the kernel before,
+        as deltanet_commit)."""
         self._commit(self.cfg.num_key_value_heads, KV_THREADS, keys, values, self.path, length, _io(io), start,
                      stream=stream)
 
