@@ -138,6 +138,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// N warp_sums at once, their butterflies in lockstep (each the same adds in the same order as warp_sum's, so the
+// same bits): N independent shuffles a round instead of one chain after another.
+template <int N>
+__device__ __forceinline__ void warp_sum_each(float (&v)[N]) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+}
+
 // One step of warp_sums_spread: each lane keeps one half of its 2 HALF values (the upper one where its lane bit o
 // is set), adds the partner's same half, and hands on the rest; then the next step.
 template <int HALF, int N>

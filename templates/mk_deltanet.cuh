@@ -211,41 +211,48 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
 }
 
 // The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
-// S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well.
+// S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well. The
+// warp's columns go through each phase together, so that their warp sums' shuffles overlap (warp_sum_each).
 template <class M, int THREADS, bool STORE>
 __device__ __forceinline__ void deltanet_update(
         float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* work,
         DeltaNetGates gt, float* state, float* out) {
     using P = DeltaNetSplit<M, THREADS>;
-    constexpr int DK = P::DK;
+    constexpr int DK = P::DK, WC = P::WARP_COLS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* qk = work;
     const float* v = work + 2 * DK;
+    float kv[WC], o[WC];
 #pragma unroll
-    for (int w = 0; w < P::WARP_COLS; ++w) {
-        const int j = warp + w * P::WARPS;
-        if (j >= P::SLICE) break;
-        float kv = 0.f;
+    for (int w = 0; w < WC; ++w) {
+        kv[w] = 0.f;
 #pragma unroll
         for (int r = 0; r < P::LANE_ROWS; ++r) {
             const int i = lane + 32 * r;
             S[w][r] *= gt.decay;
-            if (i < DK) kv += S[w][r] * (qk[DK + i] * gt.k_scale);
+            if (i < DK) kv[w] += S[w][r] * (qk[DK + i] * gt.k_scale);
         }
-        const float delta = (v[j] - warp_sum(kv)) * gt.beta;
-        float o = 0.f;
+    }
+    warp_sum_each(kv);
+#pragma unroll
+    for (int w = 0; w < WC; ++w) {
+        const int j = warp + w * P::WARPS;
+        const float delta = j < P::SLICE ? (v[j] - kv[w]) * gt.beta : 0.f;  // columns past the slice: zeros
+        o[w] = 0.f;
 #pragma unroll
         for (int r = 0; r < P::LANE_ROWS; ++r) {
             const int i = lane + 32 * r;
             if (i < DK) {
                 S[w][r] += (qk[DK + i] * gt.k_scale) * delta;
-                o += S[w][r] * (qk[i] * gt.q_scale);
-                if (STORE) state[(size_t)j * DK + i] = S[w][r];
+                o[w] += S[w][r] * (qk[i] * gt.q_scale);
+                if (STORE && j < P::SLICE) state[(size_t)j * DK + i] = S[w][r];
             }
         }
-        o = warp_sum(o);
-        if (lane == 0) out[j] = o;
     }
+    warp_sum_each(o);
+#pragma unroll
+    for (int w = 0; w < WC; ++w)
+        if (lane == 0 && warp + w * P::WARPS < P::SLICE) out[warp + w * P::WARPS] = o[w];
 }
 
 // One decode work item, by one block: the token at `pos` reads its window from the conv ring and writes its raw
