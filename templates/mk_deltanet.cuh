@@ -111,15 +111,24 @@ __device__ __forceinline__ void deltanet_load_state(
 // input of channel ch at the t-th oldest position of the window (t < K-1) and returns true, or returns false before
 // the sequence.
 template <class M, class Past>
-__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Past past) {
+__device__ __forceinline__ float deltanet_conv(const float (&w)[M::LIN_CONV_K], float x, Past past) {
     constexpr int K = M::LIN_CONV_K;
-    float acc = conv_w[ch * K + K - 1] * x;
+    float acc = w[K - 1] * x;
 #pragma unroll
     for (int t = 0; t < K - 1; ++t) {
         float y;
-        if (past(t, y)) acc += conv_w[ch * K + t] * y;
+        if (past(t, y)) acc += w[t] * y;
     }
     return silu(acc);
+}
+
+// The same with channel ch's taps read from the conv weights [conv_dim][K].
+template <class M, class Past>
+__device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, float x, Past past) {
+    float w[M::LIN_CONV_K];
+#pragma unroll
+    for (int t = 0; t < M::LIN_CONV_K; ++t) w[t] = conv_w[ch * M::LIN_CONV_K + t];
+    return deltanet_conv<M>(w, x, past);
 }
 
 // The sum of squares of x [dk], by one warp (every lane gets it).

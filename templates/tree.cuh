@@ -123,21 +123,26 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     // as it reads them (deltanet_writes_channel, as the megakernel does): their slot, position % K, is in no window
     // of this launch. More steps: the last item to finish writes the path's (below).
     const bool own_ring = commit && steps == 1;
-    // FRONT_BATCH elements a thread at a time: all their inputs' loads are issued before the first is used (a
-    // store to `fronts` or the ring may alias them for the compiler, which would otherwise wait for each element's
-    // loads in turn: ~50 round trips an item at 23 nodes on the 27B).
-    constexpr int FRONT_BATCH = 4;
-    for (int e0 = threadIdx.x; e0 < steps * F; e0 += FRONT_BATCH * THREADS) {
-        float x[FRONT_BATCH], past[FRONT_BATCH][K - 1];
-        bool has[FRONT_BATCH][K - 1];
+    // The fronts in units of a channel c and a run of FRONT_STEPS steps, spread over the block: a unit works out its
+    // channel and loads its conv taps once, and issues all its inputs' loads before the first is used (a store to
+    // `fronts` or the ring may alias them for the compiler, which would otherwise wait for each element's loads in
+    // turn). Per element, units of one step took ~150 instructions (ncu, 27B, 23 nodes: 61% of the kernel's samples).
+    constexpr int FRONT_STEPS = 4;
+    for (int u = threadIdx.x; u < (steps + FRONT_STEPS - 1) / FRONT_STEPS * F; u += THREADS) {
+        const int c = u % F, s0 = u / F * FRONT_STEPS, ch = deltanet_channel<M>(c, kh, vh, j0);
+        float w[K], x[FRONT_STEPS], past[FRONT_STEPS][K - 1];
+        bool has[FRONT_STEPS][K - 1];
 #pragma unroll
-        for (int b = 0; b < FRONT_BATCH; ++b) {
-            const int e = e0 + b * THREADS, s = min(e / F, steps - 1), ch = deltanet_channel<M>(e % F, kh, vh, j0);
+        for (int t = 0; t < K; ++t) w[t] = T.conv_w[ch * K + t];
+#pragma unroll
+        for (int b = 0; b < FRONT_STEPS; ++b) {
+            const bool live = s0 + b < steps;
+            const int s = live ? s0 + b : s0;
             const int* window = windows + s * (K - 1);
-            x[b] = e < steps * F ? load_coherent(T.mixed + (size_t)step_node(schedule[s]) * T.stride + ch) : 0.f;
+            x[b] = live ? load_coherent(T.mixed + (size_t)step_node(schedule[s]) * T.stride + ch) : 0.f;
 #pragma unroll
             for (int t = 0; t < K - 1; ++t) {
-                const int src = e < steps * F ? window[t] : -1;
+                const int src = live ? window[t] : -1;
                 has[b][t] = src != -1;
                 past[b][t] = src == -1 ? 0.f
                            : load_coherent(src >= 0 ? T.mixed + (size_t)src * T.stride + ch
@@ -145,10 +150,9 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
             }
         }
 #pragma unroll
-        for (int b = 0; b < FRONT_BATCH; ++b) {
-            const int e = e0 + b * THREADS, c = e % F, ch = deltanet_channel<M>(c, kh, vh, j0);
-            if (e >= steps * F) break;
-            fronts[e] = deltanet_conv<M>(T.conv_w, ch, x[b], [&](int t, float& y) {
+        for (int b = 0; b < FRONT_STEPS; ++b) {
+            if (s0 + b >= steps) break;
+            fronts[(s0 + b) * F + c] = deltanet_conv<M>(w, x[b], [&](int t, float& y) {
                 y = past[b][t];
                 return has[b][t];
             });
