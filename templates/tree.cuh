@@ -131,7 +131,8 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     for (int u = threadIdx.x; u < (steps + FRONT_STEPS - 1) / FRONT_STEPS * F; u += THREADS) {
         const int c = u % F, s0 = u / F * FRONT_STEPS, ch = deltanet_channel<M>(c, kh, vh, j0);
         float w[K], x[FRONT_STEPS], past[FRONT_STEPS][K - 1];
-        bool has[FRONT_STEPS][K - 1];
+        unsigned has = 0;  // bit (K - 1) b + t: step s0 + b has its tap t (before the sequence: not)
+        static_assert(FRONT_STEPS * (K - 1) <= 32, "a unit's taps in one word");
 #pragma unroll
         for (int t = 0; t < K; ++t) w[t] = T.conv_w[ch * K + t];
 #pragma unroll
@@ -143,7 +144,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
 #pragma unroll
             for (int t = 0; t < K - 1; ++t) {
                 const int src = live ? window[t] : -1;
-                has[b][t] = src != -1;
+                has |= static_cast<unsigned>(src != -1) << ((K - 1) * b + t);
                 past[b][t] = src == -1 ? 0.f
                            : load_coherent(src >= 0 ? T.mixed + (size_t)src * T.stride + ch
                                                     : T.conv_ring + (size_t)(-2 - src) * C + ch);
@@ -154,7 +155,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
             if (s0 + b >= steps) break;
             fronts[(s0 + b) * F + c] = deltanet_conv<M>(w, x[b], [&](int t, float& y) {
                 y = past[b][t];
-                return has[b][t];
+                return (has >> ((K - 1) * b + t) & 1u) != 0;
             });
             if (own_ring && deltanet_writes_channel<M>(c, vh, slice)) T.conv_ring[(size_t)slots[0] * C + ch] = x[b];
         }
