@@ -1,7 +1,9 @@
-// argmax.cuh: index of the largest fp32 value (lowest index on ties, as numpy) in one launch.
+// argmax.cuh: index of the largest fp32 value (lowest index on ties, as numpy) in one launch, of each of the rows
+// of a launch.
 //
-// Every block reduces a grid-strided share to one (value, index) pair; the last block to finish (found with an
-// atomic ticket) reduces the pairs and resets the ticket, so the next launch needs no memset.
+// Every block of a row (gridDim.x of them) reduces a grid-strided share to one (value, index) pair; the last of
+// them to finish (found with the row's atomic ticket) reduces the pairs and resets the ticket, so the next launch
+// needs no memset.
 #pragma once
 #include "common.cuh"
 
@@ -19,7 +21,7 @@ __device__ ArgMax block_argmax(ArgMax a, ArgMax* scratch) {
     return warp_argmax(a);
 }
 
-// partials: gridDim.x pairs; ticket: one zero-initialised counter that the kernel leaves at zero.
+// One row: partials holds gridDim.x pairs; ticket is one zero-initialised counter that the kernel leaves at zero.
 template <int THREADS>
 __device__ void argmax_f32(const float* __restrict__ v, int n, int* __restrict__ out, ArgMax* partials,
                            unsigned int* ticket) {

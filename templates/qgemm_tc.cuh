@@ -224,15 +224,15 @@ struct TcQ6K {
 
 // A launch: ceil(N / (16 TILES)) blocks of WARPS * 32 threads, each TILES row tiles of 16 (a last block's tiles past
 // N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M), their scales S (qgemm_tc_x16), and
-// rows 0 .. M - 1 of Y. Warp w takes a contiguous share of K's super-blocks; the warps' sums are added in warp
-// order, whatever TILES and NT, so a token's outputs are the same bits in every variant.
+// rows 0 .. M - 1 of Y, ldy floats apart. Warp w takes a contiguous share of K's super-blocks; the warps' sums are
+// added in warp order, whatever TILES and NT, so a token's outputs are the same bits in every variant.
 //
 // Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; a
 // block's run of 16-byte words, the block at its offset in the first), STAGES - 1 super-blocks ahead of the one it
 // multiplies. Dynamic shared memory: kernels/qgemm_tc.py's smem_bytes.
 template <class F, int NT, int TILES, int WARPS, int STAGES>
 __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X,
-                         const float* __restrict__ S, float* __restrict__ Y, int M, int N, int K) {
+                         const float* __restrict__ S, float* __restrict__ Y, int M, int N, int K, int ldy) {
     constexpr int ROWS_W = 16 * TILES, CHUNKS = F::RUN_BYTES / 16, STAGE = ROWS_W * F::RUN_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
@@ -309,7 +309,7 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         for (int w = 1; w < WARPS; ++w) sum += partial[w][i][nt][ln][e];
         // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8
         const int token = 8 * nt + 2 * (ln % 4) + e % 2, n = n0 + 16 * i + ln / 4 + 8 * (e / 2);
-        if (token < M && n < N) Y[(size_t)token * N + n] = sum * S[token];
+        if (token < M && n < N) Y[(size_t)token * ldy + n] = sum * S[token];
     }
 }
 

@@ -57,7 +57,7 @@ struct QGemm {
 
 template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x, float* __restrict__ y,
-                      int N, int M, unsigned char* smem) {
+                      int N, int M, unsigned char* smem, int ldy) {
     using Q = QGemm<F, K, MT, ROWS, SPAN, STAGES, THREADS>;
     constexpr int SV = Q::SLICE_VALUES, SLICES = Q::SLICES, PV = Q::PIECE_VALUES;
     const int mtiles = (M + MT - 1) / MT;
@@ -173,7 +173,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             const float v = warp_sum(acc[j][m]);
-            if (lane == 0 && j < nrows && m < mv) y[(long long)(m0 + m) * N + r0 + j] = v;
+            if (lane == 0 && j < nrows && m < mv) y[(long long)(m0 + m) * ldy + r0 + j] = v;
         }
 }
 
@@ -320,7 +320,7 @@ struct QGemmMma {
 
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned char* __restrict__ x,
-                          float* __restrict__ y, int N, int M, unsigned char* smem) {
+                          float* __restrict__ y, int N, int M, unsigned char* smem, int ldy) {
     using R = QGemmMma<F, K, MT, TILES, STAGES, THREADS>;
     using Q = typename R::Q;
     constexpr int NT = MT / 8, BLOCKS = K / F::BLOCK_VALUES, PIECE_XB = F::XB / F::PIECES;
@@ -514,7 +514,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
 #pragma unroll
         for (int l = 0; l < 4; ++l) v[l] += v[l + 4];
         v[0] += v[2], v[1] += v[3];
-        y[(long long)(m0 + m) * N + r0 + row] = v[0] + v[1];
+        y[(long long)(m0 + m) * ldy + r0 + row] = v[0] + v[1];
     }
 }
 

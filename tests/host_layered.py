@@ -144,22 +144,24 @@ class LayeredHostKernel:
         H, C, VD = c.hidden_size, c.conv_dim, c.value_dim
         lin_rows = C + VD + 2 * c.linear_num_value_heads
         if name.startswith(("qgemv_", "qgemm_")):
-            w, x, y, n, m = args
+            w, x, y, n, m, *ldy = args  # the GEMMs (M-tiles past one row) take Y's row stride
+            ldy = ldy[0] if ldy else n
             fmt, k = re.fullmatch(r"qgem[vm](?:_mma|_bulk)?(?:_m\d+)?(?:_r\d+)?_(\w+?)_k(\d+)(?:_r\d+)?(?:_s\d+)?_t\d+"
                                   r"(?:_st\d+)?(?:_mb\d+)?", name).groups()
             k = int(k)
             W = matrix(w, fmt, n, k)
             # the quantized formats read XBlocks (their values dx * qx, exactly), bf16 fp32 rows
             X = xblock_values(x, m, k) if fmt_of(fmt).quantizes_x else rows_of(x, m, k)
-            Y = rows_of(y, m, n)
+            Y = y.a.reshape(-1)
             for t in range(m):  # row by row: every row the GEMV of that row
-                store(Y[t], W.astype(np.float64) @ X[t].astype(np.float64))
+                store(Y[t * ldy:t * ldy + n], W.astype(np.float64) @ X[t].astype(np.float64))
         elif name == "qquant_x":
             x, out, blocks = args
             write_xblocks(out, x.a.reshape(-1)[:32 * blocks].reshape(1, -1))
         elif name == "argmax_f32":
             v, n, out, _, _ = args
-            out.a[0] = int(np.argmax(v.a[:n]))
+            rows = grid[1] if len(grid) > 1 else 1
+            out.a[:rows] = np.argmax(v.a.reshape(-1)[:rows * n].reshape(rows, n), axis=1)
         elif name == "layered_embed":
             table, io, x = args
             m, V = grid[0], c.vocab_size

@@ -193,6 +193,47 @@ def test_grid_gives_each_row_group_every_m_tile():
     assert gemm.grid(5120, 9) == 5120 // 4 * 2
 
 
+class LaunchLog:
+    """A module whose kernels record their launches (name, arguments) instead of running."""
+
+    def __init__(self):
+        self.launches = []
+
+    def kernel(self, name: str):
+        log = self
+
+        class Kernel:
+            def set_max_dynamic_smem(self, nbytes: int) -> None:
+                pass
+
+            def __call__(self, grid, block, *args, smem=0, stream=None):
+                log.launches.append((name, args))
+        return Kernel()
+
+
+def test_the_gemms_take_y_rows_ldy_apart_and_the_gemv_refuses_them(monkeypatch):
+    from host_kernels import HostArray, on_host
+    spec, k, n = load_spec("h200"), 5120, 96
+    with on_host(monkeypatch):
+        log = LaunchLog()
+        op = qgemv.QMatmul(log, spec, "q4_k", k)
+        w = HostArray.empty(n * qgemv.fmt_of("q4_k").row_bytes(k), np.uint8)
+        x, y = HostArray.empty((16, k), np.float32), HostArray.empty(15 * 200 + n, np.float32)
+        for m in (3, 16):  # a dp4a M-tile, the int8 mma GEMM: Y's row stride is their last argument
+            op(w, x, y, n, m, ldy=200)
+            name, args = log.launches[-1]
+            assert name == op.tuning_for(m).name(op.fmt, k) and args[3:] == (n, m, 200)
+        op(w, x, y, n, 1, ldy=200)  # one row: the GEMV, whose rows are n apart
+        assert log.launches[-1][1][3:] == (n, 1)
+        with pytest.raises(ValueError, match="apart"):
+            op(w, x, y, n, 3, ldy=n - 1)
+        with pytest.raises(ValueError, match="rows 300 apart"):
+            op(w, x, y, n, 16, ldy=300)  # y holds 15 rows of 200 and one of n
+        gemv_only = qgemv.QMatmul(log, spec, "q4_k", k, kernels=(op.tunings[0],))
+        with pytest.raises(ValueError, match="writes Y's rows n = 96 apart, not 200"):
+            gemv_only(w, x, y, n, 3, ldy=200)
+
+
 @settings(max_examples=30, deadline=None)
 @given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 5), blocks=st.integers(1, 6),
        m=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))

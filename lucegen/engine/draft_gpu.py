@@ -149,8 +149,6 @@ class GpuDraft:
         self.x, self.x_next, self.h = (f32(B, H) for _ in range(3))
         self.h16, self.att, self.att16, self.act16 = bf16(B, H), f32(B, nh * hd), bf16(B, nh * hd), bf16(B, I)
         self.proj = f32(B, (nh + 2 * nkv) * hd)
-        part = max((q.n for p in (self.target.lm_head,) if len(p.parts) > 1 for q in p.parts), default=1)
-        self.part = f32(B, part)
         self.q, self.bk, self.bv = f32(B, nh, hd), f32(B, nkv, hd), f32(B, nkv, hd)
         po, pml = self.kernels.partial_sizes()
         self.part_o, self.part_ml = f32(po), f32(pml)
@@ -183,7 +181,7 @@ class GpuDraft:
     # ---- projections --------------------------------------------------------------------------------------------
     def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
         """y [m, P.n] = x [m, P.k] P^T (Projection.apply, as the target's step)."""
-        P.apply(self.mm, self.rows_kernels, self.part, x, y, m, stream, xq)
+        P.apply(self.mm, x, y, m, stream, xq)
 
     # ---- context ------------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -296,7 +294,7 @@ class GpuDraft:
             self.graph = None
         flat = [self.fc, self.ctx_kv, *(v for L in self.layers for v in L.values())]
         flat += [self.hidden_norm, self.final_norm, self.k_norms, self.io, self.x, self.x_next, self.h, self.h16,
-                 self.proj, self.part, self.att, self.att16, self.act16, self.q, self.bk, self.bv, self.part_o,
+                 self.proj, self.att, self.att16, self.act16, self.q, self.bk, self.bv, self.part_o,
                  self.part_ml, self.hq, self.logits, self.keys, self.values, self.feats, self.feats16, self.c_raw,
                  self.c_sum, self.c, self.c16, self.ctx_rows, self.positions]
         for a in flat:

@@ -133,7 +133,7 @@ class LayeredStep:
                 continue
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=cfg.name)
-        self.argmax = argmax.Argmax(mod("argmax"), spec)
+        self.argmax = argmax.Argmax(mod("argmax"), spec, self.max_rows)
         self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}
         self._allocate(self.max_rows)
@@ -145,11 +145,9 @@ class LayeredStep:
         c, W = self.cfg, self.weights
         projs = [W.lm_head, *(p for L in W.layers for p in L.values() if isinstance(p, Projection))]
         width = max(p.n for p in projs if p is not W.lm_head)
-        part = max((q.n for p in projs if len(p.parts) > 1 for q in p.parts), default=1)
         self.io = DeviceArray.zeros(1 + n, np.int32)
         self.x, self.x_next, self.h, self.y = (DeviceArray.empty((n, c.hidden_size), np.float32) for _ in range(4))
         self.proj = DeviceArray.empty((n, width), np.float32)
-        self.part = DeviceArray.empty((n, part), np.float32)
         self.mix_out = DeviceArray.empty((n, max(c.value_dim, c.num_attention_heads * c.head_dim)), np.float32)
         self.normed = DeviceArray.empty((n, c.value_dim), np.float32)
         self.act = DeviceArray.empty((n, c.intermediate_size), np.float32)
@@ -192,8 +190,8 @@ class LayeredStep:
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def project(self, P: Projection, x: DeviceArray, y: DeviceArray, m: int, stream, xq=None) -> None:
-        """y [m, P.n] = x [m, P.k] P^T (Projection.apply, through this step's part buffer)."""
-        P.apply(self.mm, self.kernels, self.part, x, y, m, stream, xq)
+        """y [m, P.n] = x [m, P.k] P^T (Projection.apply)."""
+        P.apply(self.mm, x, y, m, stream, xq)
 
     def enqueue(self, m: int, stream, mixer=None) -> None:
         """Every launch of a step over the m tokens of io (position and ids already on the device); the mixers
@@ -229,9 +227,7 @@ class LayeredStep:
         self.capture(c.num_hidden_layers - 1, self.h, m, stream)  # HF's last hidden state: the final norm's output
         V = c.vocab_size
         self.project(W.lm_head, self.h, self.logits, m, stream, hq)
-        for t in range(m):
-            self.argmax(self.logits.view(V, offset_bytes=4 * t * V), self.tokens.view(1, offset_bytes=4 * t),
-                        stream=stream)
+        self.argmax(self.logits.view(m * V), self.tokens.view(m), stream=stream, rows=m)
         if mixer.advances:
             k.advance(self.io, self.tokens, m, stream=stream)
 
@@ -301,12 +297,13 @@ class LayeredStep:
     def free(self) -> None:
         for g in self.graphs.values():
             g.destroy()
-        for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.part, self.mix_out, self.normed,
+        for a in (self.io, self.x, self.x_next, self.h, self.y, self.proj, self.mix_out, self.normed,
                   self.act, self.logits, self.tokens, self.hq, self.normedq, self.actq, self.attq, self.features):
             if a is not None:
                 a.free()
         for op in self.mm.values():  # their scratch: quantized or fp16 activations
             op.free()
+        self.argmax.free()
         self.tree.free()
         self.stream.destroy()
 

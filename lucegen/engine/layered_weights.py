@@ -57,18 +57,12 @@ class Projection:
     def nbytes(self) -> int:
         return sum(p.w.nbytes for p in self.parts)
 
-    def apply(self, mm, kernels, part_buf, x, y, m: int, stream, xq=None) -> None:
-        """y [m, n] = x [m, k] W^T: each part straight into its columns when it has all of them or m = 1, else
-        through part_buf and kernels.place (a kernels.layered.LayerKernels). mm[(fmt, k)]: the qgemv launchers.
-        xq: x's XBlocks, made by the kernel that wrote x (else each quantized part quantizes x itself)."""
+    def apply(self, mm, x, y, m: int, stream, xq=None) -> None:
+        """y [m, n] = x [m, k] W^T, each part straight into its columns of y's rows. mm[(fmt, k)]: the qgemv
+        launchers. xq: x's XBlocks, made by the kernel that wrote x (else each quantized part quantizes x itself)."""
         for part in self.parts:
-            op = mm[part.fmt, self.k]
-            if len(self.parts) == 1 or m == 1:
-                op(part.w, x, y.view(m * self.n - part.col, offset_bytes=4 * part.col), part.n, m, stream=stream,
-                   xq=xq)
-            else:
-                op(part.w, x, part_buf, part.n, m, stream=stream, xq=xq)
-                kernels.place(part_buf, y, part.n, self.n, part.col, m, stream=stream)
+            mm[part.fmt, self.k](part.w, x, y.view(m * self.n - part.col, offset_bytes=4 * part.col), part.n, m,
+                                 stream=stream, xq=xq, ldy=self.n)
 
 
 def tiled(cfg: ModelConfig, name: str, x: np.ndarray) -> np.ndarray:

@@ -147,18 +147,22 @@ class QGemmTC:
         self.scale = DeviceArray.empty(padded_rows(max_rows), np.float32)  # 2^e a row (x_fp16)
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
-                 xq=None, tiles: int | None = None) -> None:
+                 xq=None, tiles: int | None = None, ldy: int | None = None) -> None:
         if m > self.max_rows:
             raise ValueError(f"{m} rows exceed the {self.max_rows} this GEMM was made for")
         # X to fp16, zeros to the end of the last launch's tokens
         self.to_half(padded_rows(m), 256, x, self.x16, self.scale, m, self.k, stream=stream)
-        self.product(w, y, n, m, stream, tiles)
+        self.product(w, y, n, m, stream, tiles, ldy)
 
-    def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None, tiles: int | None = None) -> None:
+    def product(self, w: DeviceArray, y: DeviceArray, n: int, m: int, stream=None, tiles: int | None = None,
+                ldy: int | None = None) -> None:
         """The product alone, from the fp16 rows the last call left (benchmarks time this). tiles: row tiles a block
-        (by default tiles_for's)."""
+        (by default tiles_for's); ldy: floats from one row of y to the next (default n)."""
+        ldy = n if ldy is None else ldy
         if problem := shape_problem(self.fmt, n, self.k):
             raise ValueError(problem)
+        if ldy < n or y.size < (m - 1) * ldy + n:
+            raise ValueError(f"y must hold {m} rows of {n} floats {ldy} apart (ldy >= n); got {y} and ldy = {ldy}")
         if w.ptr % 16 and self.fmt == "q4_k":  # the kernel reads its blocks as 16-byte words
             raise ValueError(f"Q4_K weights for the tensor-core GEMM must start 16-byte aligned (at {w.ptr:#x})")
         k = self.k
@@ -169,7 +173,7 @@ class QGemmTC:
             self.gemm[tokens, t](-(-n // (ROWS * t)), WARPS * 32, w,
                                      self.x16.view((tokens, k), offset_bytes=2 * m0 * k),
                                      self.scale.view(tokens, offset_bytes=4 * m0),
-                                     y.view((rows, n), offset_bytes=4 * m0 * n), rows, n, k,
+                                     y.view((rows - 1) * ldy + n, offset_bytes=4 * m0 * ldy), rows, n, k, ldy,
                                      smem=smem_bytes(self.fmt, tokens, t), stream=stream)
 
     def free(self) -> None:

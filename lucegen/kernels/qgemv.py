@@ -470,16 +470,23 @@ class QMatmul:
         self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
-                 xq: DeviceArray | None = None) -> None:
+                 xq: DeviceArray | None = None, ldy: int | None = None) -> None:
         """Y = X W^T. xq: X's XBlocks made already (by the kernel that wrote X: layered.cuh's quantize_row), for
-        the quantized formats; else this call quantizes X first (qquant_x)."""
-        if n < 1 or m < 1:
-            raise ValueError(f"need at least one row of W and of X; got n = {n}, m = {m}")
+        the quantized formats; else this call quantizes X first (qquant_x). ldy: floats from one row of Y to the next
+        (default n; more writes W's n columns into wider rows, e.g. a part of a fused projection: the GEMMs, or one
+        row)."""
+        ldy = n if ldy is None else ldy
+        if n < 1 or m < 1 or ldy < n:
+            raise ValueError(f"need at least one row of W and of X, and rows of Y at least n apart; got n = {n}, "
+                             f"m = {m}, ldy = {ldy}")
         if w.nbytes < -(-n * self.row_bytes // 16) * 16:
             raise ValueError(f"{self.fmt.name} weights of {n} rows x {self.k} need {n * self.row_bytes} bytes "
                              f"padded to 16 (device_weights); got {w.nbytes}")
-        if x.size < m * self.k or y.size < m * n or x.dtype != np.float32 or y.dtype != np.float32:
-            raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}]; got {x} and {y}")
+        if x.size < m * self.k or y.size < (m - 1) * ldy + n or x.dtype != np.float32 or y.dtype != np.float32:
+            raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}] (rows {ldy} apart); got {x} and {y}")
+        t = self.tuning_for(m)
+        if t.mt == 1 and m > 1 and ldy != n:
+            raise ValueError(f"{t.name(self.fmt, self.k)} writes Y's rows n = {n} apart, not {ldy}")
         if self.quant is not None:
             blocks = m * self.k // 32
             if xq is not None:
@@ -493,9 +500,8 @@ class QMatmul:
                 self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
                            blocks, stream=stream)
                 x = self.xq
-        t = self.tuning_for(m)
-        self.kernels[t](t.grid(n, m, self.resident.get(t, 0)), t.threads, w, x, y, n, m, smem=t.smem(self.fmt, self.k),
-                        stream=stream)
+        self.kernels[t](t.grid(n, m, self.resident.get(t, 0)), t.threads, w, x, y, n, m,
+                        *((ldy,) if t.mt > 1 else ()), smem=t.smem(self.fmt, self.k), stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
         return for_rows(self.tunings, m, self.mma_from)

@@ -90,19 +90,23 @@ def test_rmsnorm_matches_numpy(kernels, h, rows, scale, seed):
 
 
 @SETTINGS
-@given(n=st.integers(1, 300_000), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_argmax_matches_numpy_including_ties(kernels, n, ties, seed):
+@given(n=st.integers(1, 300_000), rows=st.integers(1, 5), ties=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_argmax_matches_numpy_including_ties(kernels, n, rows, ties, seed):
+    """Each row's argmax, the rows in one launch (a verify's nodes), into a poisoned output a row longer."""
     spec, mods = kernels
     rng = np.random.default_rng(seed)
-    v = rng.standard_normal(n, dtype=np.float32)
-    if ties:  # several copies of the maximum: the lowest index must win, as in numpy
-        v[rng.integers(0, n, size=min(n, 5))] = v.max() + 1.0
-    out = poisoned(1, np.int32)
-    op = argmax.Argmax(mods["argmax"], spec)
-    for _ in range(2):  # the second launch checks that the kernel reset its own ticket
+    v = rng.standard_normal((rows, n), dtype=np.float32)
+    if ties:  # several copies of a row's maximum: the lowest index must win, as in numpy
+        for r in range(rows):
+            v[r, rng.integers(0, n, size=min(n, 5))] = v[r].max() + 1.0
+    out = poisoned(rows + 1, np.int32)
+    op = argmax.Argmax(mods["argmax"], spec, max_rows=5)
+    for _ in range(2):  # the second launch checks that the kernel reset its own tickets
         out.fill_bytes(0xFF)
-        op(DeviceArray.from_numpy(v), out)
-        assert int(out.numpy()[0]) == argmax.reference(v)
+        op(DeviceArray.from_numpy(v), out, rows=rows)
+        got = out.numpy()
+        assert [int(i) for i in got[:rows]] == [argmax.reference(row) for row in v]
+        assert got[rows] == -1  # the poison past the last row
     synchronize()
 
 

@@ -54,7 +54,7 @@ def poison(engine: LayeredEngine) -> None:
     for table in (st.conv, st.recurrent, st.keys, st.values):
         for a in table.values():
             a.fill_bytes(0xFF)
-    for a in (step.x, step.h, step.y, step.proj, step.part, step.mix_out, step.normed, step.act, step.logits,
+    for a in (step.x, step.h, step.y, step.proj, step.mix_out, step.normed, step.act, step.logits,
               step.tokens, step.hq, step.normedq, step.actq):
         if a is not None:
             a.fill_bytes(0xFF)

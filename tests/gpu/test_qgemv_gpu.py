@@ -164,3 +164,26 @@ def test_every_tuning_gives_the_same_bits(ops, pair, m, n, seed):
         y = poisoned(m * n)
         op(w, xd, y, n, m)
         np.testing.assert_array_equal(written(y, m * n).view(np.uint32), want, err_msg=str(op.tuning_for(m)))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pair=st.sampled_from(PAIRS), m=st.sampled_from(MS[1:]), n=st.integers(1, 300), gap=st.integers(1, 40),
+       seed=st.integers(0, 2**32 - 1))
+def test_rows_of_y_apart_get_the_same_bits_and_nothing_between(ops, pair, m, n, gap, seed):
+    """Y's rows ldy = n + gap apart (a part of a fused projection written into its columns): every GEMM kernel
+    (the spec's, and each variant with an M-tile past one row) writes the packed product's bits there, and the
+    poison between the rows stays."""
+    fmt, k = pair
+    raw, x = draw(fmt, n, k, m, seed)
+    w, xd = qgemv.device_weights(raw), DeviceArray.from_numpy(x)
+    y = poisoned(m * n)
+    ops[0][pair](w, xd, y, n, m)
+    want = written(y, m * n).reshape(m, n).view(np.uint32)
+    ldy = n + gap
+    for op in [ops[0][pair], *(v for v in ops[2][pair] if v.tuning_for(m).mt > 1)]:
+        ys = poisoned(m * ldy)
+        op(w, xd, ys, n, m, ldy=ldy)
+        rows = ys.numpy()[:m * ldy].reshape(m, ldy).view(np.uint32)
+        np.testing.assert_array_equal(rows[:, :n], want, err_msg=str(op.tuning_for(m)))
+        assert (rows[:, n:] == 0xFFFFFFFF).all(), f"{op.tuning_for(m)} wrote between Y's rows"
+        assert (ys.numpy()[m * ldy:].view(np.uint32) == 0xFFFFFFFF).all()
