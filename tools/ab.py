@@ -2,8 +2,9 @@
 tree (PYTHONPATH = the tree, so each process imports that tree's lucegen and renders its templates), the trees
 alternating round after round, so that a drift of the GPU's clocks or temperature falls on every tree alike.
 
-A tree is a checkout (or an unpacked `git archive`) with lucegen/, templates/ and specs/. The child is the calling
-script run again with `--child` and the same arguments; it prints its result as one JSON line, last."""
+A tree is a checkout (or an unpacked `git archive`) with lucegen/, templates/ and specs/; `TREE@SPEC` is that tree
+with another spec file (its child gets `--spec SPEC`: tuning knobs side by side without copying trees). The child is
+the calling script run again with `--child` and the same arguments; it prints its result as one JSON line, last."""
 from __future__ import annotations
 
 import json
@@ -19,10 +20,11 @@ def alternate(script: str, trees: list[str], rounds: int, args: list[str]) -> di
     results: dict[str, list[dict]] = {}
     for _ in range(rounds):
         for tree in trees:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(tree).resolve()),
+            path, _, spec = tree.partition("@")
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(path).resolve()),
                                                                               os.environ.get("PYTHONPATH")]))}
-            proc = subprocess.run([sys.executable, script, "--child", *args], env=env, capture_output=True, text=True,
-                                  check=False)
+            proc = subprocess.run([sys.executable, script, "--child", *args, *(["--spec", spec] if spec else [])],
+                                  env=env, capture_output=True, text=True, check=False)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode or not lines:
                 raise RuntimeError(f"{tree}: the measurement failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")

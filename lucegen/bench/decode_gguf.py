@@ -69,15 +69,7 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
           f"per token ({mix}); {kv} KV")
     tag = f"{cfg.name} {mix}" + ("" if kv == "bf16" else f" kv={kv}")
     for ctx in contexts:
-        engine.reset()
-        engine.state.position = ctx
-        step.launch([1])           # captures the graph; io now feeds the next step
-        step.launch_greedy(WARMUP)  # warm-up
-        start, end = Event(), Event()
-        start.record(stream)
-        step.launch_greedy(TG)
-        end.record(stream)
-        ms = start.elapsed_ms(end)
+        ms = tg_ms(engine, ctx)
         per_token = weights + state_bytes_per_token(cfg, ctx + 1 + WARMUP + TG // 2, kv)  # mean context
         limit = read_gbs * 1e9 / per_token
         tok_s = TG / (ms * 1e-3)
@@ -91,6 +83,21 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-27b", mix: str =
     rec.record("step_projections_us", f"{cfg.name} {mix}", proj_us, "us", proj_bytes / (read_gbs * 1e3),
                achieved_gbs=round(proj_bytes / (proj_us * 1e3), 1), bytes=proj_bytes)
     engine.free()
+
+
+def tg_ms(engine: LayeredEngine, ctx: int) -> float:
+    """Milliseconds of TG one-token steps from position ctx (after WARMUP), each step's graph fed by the one
+    before's argmax on the device."""
+    step, stream = engine.step, engine.step.stream
+    engine.reset()
+    engine.state.position = ctx
+    step.launch([1])           # captures the graph; io now feeds the next step
+    step.launch_greedy(WARMUP)  # warm-up
+    start, end = Event(), Event()
+    start.record(stream)
+    step.launch_greedy(TG)
+    end.record(stream)
+    return start.elapsed_ms(end)
 
 
 def step_breakdown(rec: Recorder, step: LayeredStep, model: str, ctx: int, step_ms: float) -> None:
