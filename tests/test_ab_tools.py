@@ -45,12 +45,26 @@ def test_trees_alternate_round_after_round_each_on_its_pythonpath(tmp_path, chil
     assert printed == ["a", "b"] * 3
 
 
+def test_a_tree_at_a_spec_file_runs_that_tree_with_the_spec_passed_on(tmp_path, child):
+    tree = str(tmp_path / "a")
+    runs = ab.alternate(str(child), [tree, f"{tree}@/specs/variant.yaml"], rounds=1, args=["--x", "1"])
+    assert runs[tree][0] == {"tree": "a", "args": ["--child", "--x", "1"]}
+    assert runs[f"{tree}@/specs/variant.yaml"][0] == {"tree": "a", "args": ["--child", "--x", "1", "--spec",
+                                                                               "/specs/variant.yaml"]}
+
+
 def test_a_failed_child_stops_the_run_and_names_its_tree(tmp_path, child):
     with pytest.raises(RuntimeError, match=r"broken: the measurement failed \(exit 1\)[\s\S]*the measurement broke"):
         ab.alternate(str(child), [str(tmp_path / "a"), str(tmp_path / "broken")], rounds=2, args=[])
 
 
-@pytest.mark.parametrize("tool", ["prefill_ab.py", "decode_ab.py"])
+@pytest.mark.parametrize("tool", ["prefill_ab.py", "decode_ab.py", "layered_ab.py"])
 def test_each_ab_tool_parses_its_arguments_without_a_gpu(tool):
     out = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, check=True)
     assert "--trees" in out.stdout and "--rounds" in out.stdout
+
+
+def test_the_kernel_boundary_tool_parses_its_arguments_without_a_gpu():
+    out = subprocess.run([sys.executable, str(TOOLS / "kernel_boundary.py"), "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "--launches" in out.stdout
