@@ -11,8 +11,10 @@ depend on the values; a real 27B GGUF through the numpy quantizer would take hou
                      launches made eagerly, an event pair around each, behind >= 200 ms of replays of its graph so
                      that no kernel waits for its launch: timing.launch_times), per kernel kind (qgemv_q4_k,
                      qgemv_q6_k, tree_deltanet, tree_attention, layered_add_rmsnorm, ...): time per step, launches and
-                     share of the kernels' sum; the graph step's time (tg128's per token) less that sum is the gaps
-                     between launches
+                     share of the kernels' sum; the graph step's time (tg128's per token) less that sum: positive
+                     where the graph leaves gaps between launches, negative where its programmatic launches overlap
+                     what the timing one by one runs alone (each kernel's start and drain: ~0.5 us a boundary with
+                     PDL, tools/kernel_boundary.py)
 
     projections      the step's quantized projections alone (one graph of every layer's, M = 1): their time per
                      token and read rate; the rest of a step is mixers, row kernels and the gaps between ~600 launches
@@ -102,8 +104,9 @@ def tg_ms(engine: LayeredEngine, ctx: int) -> float:
 
 def step_breakdown(rec: Recorder, step: LayeredStep, model: str, ctx: int, step_ms: float) -> None:
     """One decode step at position ctx timed kernel by kernel behind replays of its graph (step_ms each, captured
-    already): each kernel kind's time per step (decode_kernel_us_<kind>), longest first, and what the graph step
-    takes beyond their sum (decode_launch_gap_us). Leaves the state's position where the device's is."""
+    already): each kernel kind's time per step (decode_kernel_us_<kind>), longest first, and the graph step less
+    their sum (decode_launch_gap_us: negative where the graph's overlap of launches saves more than its gaps cost).
+    Leaves the state's position where the device's is."""
     state = step.state
     steps = queued_replays(step_ms) + 1  # the replays and the eager pass each advance io's position on the device
     if steps > state.max_context:
@@ -118,8 +121,9 @@ def step_breakdown(rec: Recorder, step: LayeredStep, model: str, ctx: int, step_
     print(f"{model}: one decode step kernel by kernel\n  {'kind':<26} {'launches':>8} {'us/step':>9} {'share':>6}")
     for kind, (us, n, _) in kinds:
         print(f"  {kind:<26} {n:>8} {us:>9.1f} {us / total:>6.1%}")
-    print(f"graph step {step_us:.0f} us, kernels timed one by one {total:.0f} us, the rest (launch gaps) "
-          f"{step_us - total:.0f} us")
+    print(f"graph step {step_us:.0f} us, kernels timed one by one {total:.0f} us: the graph "
+          + (f"leaves {step_us - total:.0f} us of gaps" if step_us >= total else
+             f"overlaps {total - step_us:.0f} us of what runs alone one by one"))
     for kind, (us, n, _) in kinds:
         rec.record(f"decode_kernel_us_{kind}", model, us, "us", launches=n, share=round(us / total, 3))
     rec.record("decode_launch_gap_us", model, step_us - total, "us", launches=len(launches))
