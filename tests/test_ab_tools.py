@@ -58,6 +58,11 @@ def test_a_failed_child_stops_the_run_and_names_its_tree(tmp_path, child):
         ab.alternate(str(child), [str(tmp_path / "a"), str(tmp_path / "broken")], rounds=2, args=[])
 
 
+def test_the_tools_get_none_and_the_failure_on_stderr(tmp_path, child, capsys):
+    assert ab.alternate_or_report(str(child), [str(tmp_path / "broken")], rounds=1, args=[]) is None
+    assert "broken: the measurement failed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tool", ["prefill_ab.py", "decode_ab.py", "layered_ab.py"])
 def test_each_ab_tool_parses_its_arguments_without_a_gpu(tool):
     out = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, check=True)

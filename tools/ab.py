@@ -31,3 +31,12 @@ def alternate(script: str, trees: list[str], rounds: int, args: list[str]) -> di
             print(lines[-1], flush=True)
             results.setdefault(tree, []).append(json.loads(lines[-1]))
     return results
+
+
+def alternate_or_report(script: str, trees: list[str], rounds: int, args: list[str]) -> dict[str, list[dict]] | None:
+    """alternate(), or None once a child has failed, what it said printed to stderr (the tools then exit 1)."""
+    try:
+        return alternate(script, trees, rounds, args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return None

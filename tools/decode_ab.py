@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ab import alternate
+from ab import alternate_or_report
 
 PARTS = ("wall", "exit", "stage", "gemv", "tail", "work")  # bench/timeline.py's KindTime, us a token
 
@@ -58,10 +58,8 @@ def main() -> int:
         print(json.dumps(measure(a.model, a.medians, a.trace)))
         return 0
     args = ["--model", a.model, "--medians", str(a.medians), *(["--trace"] if a.trace else [])]
-    try:
-        runs = alternate(__file__, a.trees, a.rounds, args)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
+    runs = alternate_or_report(__file__, a.trees, a.rounds, args)
+    if runs is None:
         return 1
     for tree, rs in runs.items():
         us = [u for r in rs for u in r["us_per_token"]]

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ab import alternate
+from ab import alternate_or_report
 
 
 def measure(model: str, mix: str, contexts: list[int], medians: int, spec_path: str | None) -> dict:
@@ -51,10 +51,8 @@ def main() -> int:
         print(json.dumps(measure(a.model, a.mix, a.contexts, a.medians, a.spec)))
         return 0
     args = ["--model", a.model, "--mix", a.mix, "--contexts", *map(str, a.contexts), "--medians", str(a.medians)]
-    try:
-        runs = alternate(__file__, a.trees, a.rounds, args)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
+    runs = alternate_or_report(__file__, a.trees, a.rounds, args)
+    if runs is None:
         return 1
     for tree, rs in runs.items():
         for c in map(str, a.contexts):

@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ab import alternate
+from ab import alternate_or_report
 
 
 def measure(model: str, tokens: int, replays: int, split_k: int | None, force: dict[str, str]) -> dict:
@@ -76,10 +76,8 @@ def main() -> int:
         return 0
     args = ["--model", a.model, "--tokens", str(a.tokens), "--replays", str(a.replays),
             *(["--split-k", str(a.split_k)] if a.split_k else []), *(arg for f in a.force for arg in ("--force", f))]
-    try:
-        runs = alternate(__file__, a.trees, a.rounds, args)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
+    runs = alternate_or_report(__file__, a.trees, a.rounds, args)
+    if runs is None:
         return 1
     results = {tree: [us for r in rs for us in r["graph_us"]] for tree, rs in runs.items()}
     for tree, times in results.items():
