@@ -33,12 +33,15 @@ __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, flo
 // H-wide row: the blocks of a row each take a part of it, every one summing the squares of the whole row in the same
 // order (so the same rstd, bit for bit; the row's ~20-40 KB come from L2). x_out must not be x (the other blocks
 // still read x). `scratch` holds THREADS/32 floats. ZERO_CENTRED = false: the plain w * x_hat of Qwen3RMSNorm (the
-// DFlash draft's norms, draft.cu.j2) instead, the same arithmetic with 0 + w for 1 + w.
+// DFlash draft's norms, draft.cu.j2) instead, the same arithmetic with 0 + w for 1 + w. Where given, h's XBlocks
+// into xq (the quantized GEMVs' activations: qgemv.cuh's qquant_x fused into the kernel that makes the row; q0, q1
+// multiples of 8) and h in bf16 into h16, both from the registers.
 template <int H, int THREADS, bool ZERO_CENTRED = true>
 __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                  float eps, float* __restrict__ x_out, float* __restrict__ h, int q0, int q1,
-                                 float* scratch) {
+                                 float* scratch, XBlock* __restrict__ xq, bf16* __restrict__ h16 = nullptr) {
     static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
+    static_assert(THREADS % 32 == 0, "whole warps: 8 lanes hold an XBlock");
     constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const float4* y4 = reinterpret_cast<const float4*>(y);
@@ -62,32 +65,47 @@ __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __res
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int q = threadIdx.x + i * THREADS;
-        if (q >= q0 && q < q1) {
+        const bool mine = q >= q0 && q < q1;  // the same for the 8 lanes of an XBlock
+        float4 n = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (mine) {
             const float4 g = __ldg(reinterpret_cast<const float4*>(w) + q);
+            n = make_float4(v[i].x * rstd * (ONE + g.x), v[i].y * rstd * (ONE + g.y), v[i].z * rstd * (ONE + g.z),
+                            v[i].w * rstd * (ONE + g.w));
             reinterpret_cast<float4*>(x_out)[q] = v[i];
-            reinterpret_cast<float4*>(h)[q] = make_float4(v[i].x * rstd * (ONE + g.x), v[i].y * rstd * (ONE + g.y),
-                                                          v[i].z * rstd * (ONE + g.z), v[i].w * rstd * (ONE + g.w));
+            reinterpret_cast<float4*>(h)[q] = n;
+            if (h16) store_bf16x4(h16 + 4 * q, n);
         }
+        if constexpr (H % 32 == 0)
+            if (xq) {
+                const XBlockLanes b = quantize_xblock_lanes(n, threadIdx.x % 32);
+                if (mine) b.store(xq + q / 8, threadIdx.x % 32);
+            }
     }
 }
 
-// xq = the XBlocks (quant.cuh) of values [v0, v1) of an fp32 row of K values (v0, v1 multiples of 32), once every
-// thread's writes of them are done: the quantized GEMVs' activation quantization (qgemv.cuh's qquant_x, the same
-// function) fused into the kernel that makes the row, instead of a launch of its own before each projection. Rows
-// whose K is not whole 32-value blocks have no XBlocks (no quantized matrix takes them).
+// act [i0, i1) = silu(gate) * up there (fp32; i0, i1 multiples of 4), a quad a thread; where given, act's XBlocks
+// into xq (as add_rmsnorm_part; i0 a multiple of 32).
 template <int K, int THREADS>
-__device__ void quantize_row(const float* row, XBlock* __restrict__ xq, int v0 = 0, int v1 = K) {
-    if constexpr (K % 32 == 0) {
-        __syncthreads();
-        for (int i = v0 / 32 + threadIdx.x; i < v1 / 32; i += THREADS) xq[i] = quantize_xblock(row + 32 * i);
-    }
-}
-
-// act [i0, i1) = silu(gate) * up there (fp32).
-template <int THREADS>
 __device__ void silu_mul_range(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act,
-                               int i0, int i1) {
-    for (int i = i0 + threadIdx.x; i < i1; i += THREADS) act[i] = silu(gate[i]) * up[i];
+                               int i0, int i1, XBlock* __restrict__ xq) {
+    static_assert(K % 4 == 0 && THREADS % 32 == 0, "rows of whole quads, whole warps");
+    const float4* g4 = reinterpret_cast<const float4*>(gate);
+    const float4* u4 = reinterpret_cast<const float4*>(up);
+    for (int base = i0 / 4; base < i1 / 4; base += THREADS) {  // the same trip count in every thread
+        const int q = base + threadIdx.x;
+        const bool mine = q < i1 / 4;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (mine) {
+            const float4 g = g4[q], u = u4[q];
+            a = make_float4(silu(g.x) * u.x, silu(g.y) * u.y, silu(g.z) * u.z, silu(g.w) * u.w);
+            reinterpret_cast<float4*>(act)[q] = a;
+        }
+        if constexpr (K % 32 == 0)
+            if (xq) {
+                const XBlockLanes b = quantize_xblock_lanes(a, threadIdx.x % 32);
+                if (mine) b.store(xq + q / 8, threadIdx.x % 32);
+            }
+    }
 }
 
 }  // namespace lucegen

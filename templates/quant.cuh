@@ -168,6 +168,42 @@ __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
     return b;
 }
 
+// The XBlock of 32 values that 8 consecutive lanes of a warp hold as float4s (lane l: values 4 (l % 8) .. +3), by
+// quantize_xblock's arithmetic (so the same bytes), the max and the half sums passed round by shuffles: a row kernel
+// quantizes its output from its registers, without writing it, waiting at a block barrier and reading it back.
+// Every lane of the warp calls it. Lane l gets word l % 8 of the block's q, and its {d, dv, h[0], h[1]}.
+struct XBlockLanes {
+    unsigned word;
+    int4 meta;
+    __device__ void store(XBlock* xb, int lane) const {  // 8 lanes write the block's 32 bytes of q, one its meta
+        reinterpret_cast<unsigned*>(xb->q)[lane % 8] = word;
+        if (lane % 8 == 0) *reinterpret_cast<int4*>(&xb->d) = meta;
+    }
+};
+
+__device__ __forceinline__ XBlockLanes quantize_xblock_lanes(float4 v, int lane) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float d = __fdiv_rn(amax, 127.f), inv = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+    const float f[4] = {v.x, v.y, v.z, v.w};
+    XBlockLanes out;
+    out.word = 0;
+    int half = 0;  // this lane's 4, then its half's 16
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = __float2int_rn(__fmul_rn(f[i], inv));
+        half += q;
+        out.word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
+    }
+    half += __shfl_xor_sync(0xFFFFFFFFu, half, 1);
+    half += __shfl_xor_sync(0xFFFFFFFFu, half, 2);
+    const int other = __shfl_xor_sync(0xFFFFFFFFu, half, 4);
+    const int h0 = lane % 8 < 4 ? half : other, h1 = lane % 8 < 4 ? other : half;
+    out.meta = make_int4(__float_as_int(d), __float_as_int(__fmul_rn(d, static_cast<float>(h0 + h1))), h0, h1);
+    return out;
+}
+
 // The sum of the products of the signed bytes of words w[i] and x[i].
 template <int N>
 __device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[N]) {

@@ -1,7 +1,7 @@
 """The layer-by-layer step on a GGUF checkpoint (quantized matrices of two formats, fused projections, llama.cpp's
 tiled value-head order), emulated on the host (tests/host_layered.py: every launch runs its kernel's numpy
-stand-in). The row kernels write the quantized activations (XBlocks) the projections read (layered.cuh's
-quantize_row), so each projection must multiply the XBlocks of its own input row made after that row's last
+stand-in). The row kernels write the quantized activations (XBlocks) the projections read (quant.cuh's
+quantize_xblock_lanes), so each projection must multiply the XBlocks of its own input row made after that row's last
 change: the step must give, bit for bit, what it gives when every projection quantizes its input itself (qquant_x
 before each GEMV, the way it ran before), and stay near the numpy reference whose quantized matrices quantize their
 activations the same way (host_layered.ActivationQuantized), position by position within the GPU test's bound

@@ -42,8 +42,9 @@ def place_reference(src: np.ndarray, dst: np.ndarray, off: int) -> np.ndarray:
 # ---- unit -----------------------------------------------------------------------------------------------------
 def shape_problem(spec: ChipSpec, cfg: ModelConfig) -> str | None:
     """Why the row kernels cannot run this model on this chip, or None."""
-    if cfg.hidden_size % 8 or cfg.value_dim % 4 or cfg.linear_value_head_dim % 4:
-        return f"{cfg.name}: the row kernels need hidden a multiple of 8 and value heads of whole float4 quads"
+    if cfg.hidden_size % 8 or cfg.intermediate_size % 4 or cfg.value_dim % 4 or cfg.linear_value_head_dim % 4:
+        return (f"{cfg.name}: the row kernels need hidden a multiple of 8, and the intermediate width and value heads "
+                "of whole float4 quads")
     return None
 
 

@@ -471,7 +471,7 @@ class QMatmul:
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
                  xq: DeviceArray | None = None, ldy: int | None = None) -> None:
-        """Y = X W^T. xq: X's XBlocks made already (by the kernel that wrote X: layered.cuh's quantize_row), for
+        """Y = X W^T. xq: X's XBlocks made already (by the kernel that wrote X: quant.cuh's quantize_xblock_lanes), for
         the quantized formats; else this call quantizes X first (qquant_x). ldy: floats from one row of Y to the next
         (default n; more writes W's n columns into wider rows, e.g. a part of a fused projection: the GEMMs, or one
         row)."""
