@@ -76,7 +76,7 @@ __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __res
             if (h16) store_bf16x4(h16 + 4 * q, n);
         }
         if constexpr (H % 32 == 0)
-            if (xq) {
+            if (xq && __any_sync(0xFFFFFFFFu, mine)) {  // only the warps with quads of the part (a few of PER_THREAD)
                 const XBlockLanes b = quantize_xblock_lanes(n, threadIdx.x % 32);
                 if (mine) b.store(xq + q / 8, threadIdx.x % 32);
             }
