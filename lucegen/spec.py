@@ -118,6 +118,7 @@ class LayeredTuning:
     """The layer-by-layer step (lucegen/engine/layered.py)."""
     pdl: bool = False  # programmatic dependent launch (sm_90+): a kernel's blocks are launched while the kernel
                        # before it finishes, and wait for it where they read what it wrote (templates/common.cuh)
+    row_threads: int = 0  # threads a block of its row kernels (add + RMSNorm, SiLU x up); 0: tuning.norm.threads
 
 
 @dataclass(frozen=True)
@@ -379,6 +380,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if mk.barrier_tiles < 0:
         _fail(source, "tuning.megakernel.barrier_tiles", "must be >= 0 (0: no cap)")
     _check_launch(spec, source, "tuning.norm", t.norm.threads, t.norm.blocks)
+    if t.layered.row_threads and (t.layered.row_threads % 32 or not 32 <= t.layered.row_threads <= 1024):
+        _fail(source, "tuning.layered.row_threads", f"{t.layered.row_threads} must be 0 (tuning.norm.threads) or a "
+              "multiple of 32 between 32 and 1024")
     _check_launch(spec, source, "tuning.argmax", t.argmax.threads, t.argmax.blocks)
     _check_launch(spec, source, "tuning.gemv", t.gemv.threads, t.gemv.blocks_per_sm * c.sm_count)
     if not 1 <= t.gemv.rows_per_warp <= 8:

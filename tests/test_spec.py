@@ -102,6 +102,7 @@ def _delete(path: str):
      "missing required key"),
     (_set("tuning.prefill.model_pdl", [{"model": "qwen3.5-0.8b", "pdl": "on"}]), "tuning.prefill.model_pdl[0].pdl",
      "expected true or false"),
+    (_set("tuning.layered.row_threads", 100), "tuning.layered.row_threads", "multiple of 32"),
     (_set("chip.arch", "sm_42"), "chip.arch", "not supported by the installed NVRTC"),
     (_set("chip.arch", "ampere"), "chip.arch", "expected an arch"),
     (_set("tuning.kv_format", "int2"), "tuning.kv_format", "is not one of"),

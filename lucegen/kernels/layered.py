@@ -48,6 +48,11 @@ def shape_problem(spec: ChipSpec, cfg: ModelConfig) -> str | None:
     return None
 
 
+def row_threads(spec: ChipSpec) -> int:
+    """Threads a block of the row kernels: tuning.layered.row_threads, else tuning.norm.threads."""
+    return spec.tuning.layered.row_threads or spec.tuning.norm.threads
+
+
 def unit_name(embed_fmt: str) -> str:
     return f"layered_{embed_fmt}"
 
@@ -60,7 +65,7 @@ def units(spec: ChipSpec, model: ModelConfig, embed_fmts=None) -> list[KernelUni
     if embed_fmts is None:
         embed_fmts = [f for f in spec.tuning.weight_formats if model.hidden_size % fmt_of(f).block_values == 0]
         embed_fmts += [] if "bf16" in embed_fmts else ["bf16"]
-    cfg, rt = model, spec.tuning.norm.threads
+    cfg, rt = model, row_threads(spec)
     hexf = lambda v: float(np.float32(v)).hex() + "f"
     out = []
     for name in embed_fmts:
@@ -84,7 +89,7 @@ class LayerKernels:
     """The launchers; every one takes the step's token count m."""
 
     def __init__(self, module, spec: ChipSpec, cfg: ModelConfig):
-        self.cfg, self.row_threads = cfg, spec.tuning.norm.threads
+        self.cfg, self.row_threads = cfg, row_threads(spec)
         self.silu_blocks = -(-cfg.intermediate_size // (SILU_CHUNK * self.row_threads))
         self.add_norm_blocks = -(-cfg.hidden_size // (NORM_CHUNK * self.row_threads))
         k = lambda name: module.kernel(f"layered_{name}")
