@@ -55,3 +55,5 @@ def test_each_kind_left_out_drops_its_launches_alone(engine):
         assert gone[fmt] and all(f"_{fmt}_" in n for n in gone[fmt])
     assert whole - gone["all"] == {"layered_embed": 1, "argmax_f32": 1, "layered_advance": 1}
     assert sum(gone["all"].values()) == sum(whole.values()) - 3
+    with tool.leaving_out(engine, {"rows", "lm_head"}):
+        assert whole - launched(step) == gone["rows"] + gone["lm_head"]

@@ -8,7 +8,8 @@ speed it would, since no kernel's time depends on the values it reads.
 
 Kinds: rows (add + RMSNorm, SiLU x up), deltanet (the linear layers' mixer), attention (the full layers' mixer),
 lm_head (the LM head's projection), a weight format (q4_k, q6_k, ...: every projection part in it, the LM head's
-included), all (every one of those). Prints one JSON line a kind: the median us a token and what leaving it out
+included), all (every one of those); kinds joined by + go out together (rows+deltanet+attention: the projections
+alone remain). Prints one JSON line a kind: the median us a token and what leaving it out
 saved against the whole step, timed before and after the kinds (the step's drift between them is printed too).
 """
 from __future__ import annotations
@@ -76,14 +77,14 @@ def main() -> int:
                            max_context=a.context + 1 + WARMUP + TG, chunk=1)
     formats = sorted({fmt for fmt, _ in engine.step.mm})
     kinds = a.kinds or [*KINDS, *formats, "all"]
-    unknown = set(kinds) - {*KINDS, *formats, "all"}
+    unknown = {k for kind in kinds for k in kind.split("+")} - {*KINDS, *formats, "all"}
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)} (this model's step has {', '.join([*KINDS, *formats, 'all'])})")
     us = lambda: statistics.median(tg_ms(engine, a.context) * 1e3 / TG for _ in range(a.medians))
     whole = us()
     print(json.dumps({"left_out": None, "us_per_token": round(whole, 1)}))
     for kind in kinds:
-        with leaving_out(engine, {kind}):
+        with leaving_out(engine, set(kind.split("+"))):
             t = us()
         print(json.dumps({"left_out": kind, "us_per_token": round(t, 1), "saved_us": round(whole - t, 1)}))
     print(json.dumps({"left_out": None, "us_per_token": round(us(), 1), "after": True}))
