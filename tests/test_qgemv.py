@@ -308,15 +308,18 @@ static inline __nv_bfloat16 __float2bfloat16(float a) {  // to nearest, ties to 
     return {static_cast<unsigned short>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
 }
 using std::min;
-// warp-wide code (the tensor-core GEMM's shuffle, kv.cuh's TQ3_0 encoder and rotation) compiles but is not run
-// here: declared only, a use would not link
+// warp-wide code (the tensor-core GEMM's shuffle, kv.cuh's TQ3_0 encoder and rotation, quantize_xblock_lanes)
+// compiles but is not run here: declared only, a use would not link
 float __shfl_sync(unsigned mask, float v, int lane);
 float __shfl_xor_sync(unsigned mask, float v, int lane_mask);
 unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask);
+int __shfl_xor_sync(unsigned mask, int v, int lane_mask);
 struct HostDim3 { unsigned x, y, z; };
 extern const HostDim3 threadIdx;
 float4 make_float4(float x, float y, float z, float w);
+int4 make_int4(int x, int y, int z, int w);
 unsigned __float_as_uint(float f);
+int __float_as_int(float f);
 namespace lucegen { float warp_sum(float v); }
 """
 import dataclasses
