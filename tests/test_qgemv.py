@@ -326,15 +326,49 @@ import dataclasses
 
 HOST_MAIN = r"""
 #include HEADER
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
+#include <thread>
 #include <vector>
 using namespace lucegen;
+// A warp on the host: 32 threads, a lane each, meeting at a barrier around every shuffle (quantize_xblock_lanes).
+struct Warp {
+    std::mutex mu;
+    std::condition_variable cv;
+    int waiting = 0, generation = 0;
+    uint32_t slot[32];
+    void sync() {
+        std::unique_lock<std::mutex> lock(mu);
+        const int g = generation;
+        if (++waiting == 32) {
+            waiting = 0;
+            ++generation;
+            cv.notify_all();
+        } else {
+            cv.wait(lock, [&] { return generation != g; });
+        }
+    }
+} warp;
+thread_local int host_lane;
+template <class T> T shfl_xor(T v, int mask) {
+    std::memcpy(&warp.slot[host_lane], &v, 4);
+    warp.sync();
+    T out;
+    std::memcpy(&out, &warp.slot[host_lane ^ mask], 4);
+    warp.sync();
+    return out;
+}
+float __shfl_xor_sync(unsigned, float v, int mask) { return shfl_xor(v, mask); }
+int __shfl_xor_sync(unsigned, int v, int mask) { return shfl_xor(v, mask); }
+int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 // argv: rows k offset in out [xin]. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
 // boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
 // defined): each row's sum from 0 through F::dot with them, piece by piece in K order, after each piece, [rows,
 // pieces], its bytes loaded as qgemv's loop does (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on
-// the floats of `in`.
+// the floats of `in` (offset 0), or quantize_xblock_lanes, 4 XBlocks a warp of host threads (offset 1).
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / F::BLOCK_VALUES * F::PIECES;
     const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
@@ -377,7 +411,22 @@ int main(int argc, char** argv) {
         const size_t got = std::fread(xa, 4, k, f);
         std::fclose(f);
         std::vector<XBlock> q(k / 32);
-        for (int i = 0; i < k / 32; ++i) q[i] = quantize_xblock(xa + 32 * i);
+        if (std::atoi(argv[3]) == 0) {
+            for (int i = 0; i < k / 32; ++i) q[i] = quantize_xblock(xa + 32 * i);
+        } else {
+            for (int b0 = 0; b0 < k / 32; b0 += 4) {  // lane l: values 4 (l % 8) .. of block b0 + l / 8
+                std::vector<std::thread> lanes;
+                for (int l = 0; l < 32; ++l)
+                    lanes.emplace_back([&, l] {
+                        host_lane = l;
+                        const int b = b0 + l / 8;
+                        const float* v = xa + 32 * std::min(b, k / 32 - 1) + 4 * (l % 8);
+                        const XBlockLanes part = quantize_xblock_lanes({v[0], v[1], v[2], v[3]}, l);
+                        if (b < k / 32) part.store(&q[b], l);
+                    });
+                for (auto& t : lanes) t.join();
+            }
+        }
         f = std::fopen(argv[5], "wb");
         std::fwrite(q.data(), sizeof(XBlock), q.size(), f);
         std::fclose(f);
@@ -426,8 +475,9 @@ def host_decoder(directory, header: str, cls: str, products: bool = False):
     (directory / "main.cpp").write_text(HOST_MAIN)
     exe = directory / f"decode_{cls}"
     dot = [f"-DDOT=dot<{cls}>"] if products else []
-    subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", f'-DHEADER="{header}"', f"-DDEQUANT=dequant<{cls}>",
-                    *dot, f"-I{directory}", str(directory / "main.cpp"), "-o", str(exe)], check=True, capture_output=True)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-pthread", f'-DHEADER="{header}"',
+                    f"-DDEQUANT=dequant<{cls}>", *dot, f"-I{directory}", str(directory / "main.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True)
     return exe
 
 
@@ -475,12 +525,14 @@ def draw_x(m: int, k: int, seed: int) -> np.ndarray:
 
 
 @settings(max_examples=40, deadline=None)
-@given(blocks=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
-def test_device_activation_quantization_is_bit_equal_to_numpy(host_decoders, tmp_path_factory, blocks, seed):
+@given(blocks=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), lanes=st.booleans())
+def test_device_activation_quantization_is_bit_equal_to_numpy(host_decoders, tmp_path_factory, blocks, seed, lanes):
+    """quantize_xblock, and quantize_xblock_lanes (the row kernels': 8 lanes an XBlock, on a warp of host threads)."""
     x = draw_x(1, 32 * blocks, seed)
     d = tmp_path_factory.mktemp("xq")
     x.tofile(d / "x.bin")
-    subprocess.run([str(host_decoders["q4_k"]), "0", str(x.size), "0", str(d / "x.bin"), str(d / "xq.bin")], check=True)
+    subprocess.run([str(host_decoders["q4_k"]), "0", str(x.size), str(int(lanes)), str(d / "x.bin"), str(d / "xq.bin")],
+                   check=True)
     np.testing.assert_array_equal(np.fromfile(d / "xq.bin", np.uint8), qgemv.xblocks(x).ravel())
 
 
