@@ -147,32 +147,43 @@ constexpr int attention_work_floats() {
 }
 
 // The last item of kv head g to finish: the log-sum-exp weights of the n_chunks partials per head (warp h), then
-// the merged, gated outputs. A thread's partials are loaded a batch at a time, in flight together (a loop over a
-// run-time count waits a round trip per partial), and added in chunk order. Rows of a ROTATED format (kv.cuh) give
-// outputs in their domain: merged in shared memory, rotated back, then gated. Out of line: one block per kv head
-// runs it, and its registers stay its own.
+// the merged, gated outputs, a thread four consecutive outputs of a head at a time (16-byte loads: a thread's batch
+// of partials in flight together is 128 bytes, against 32 a float at a time). The partials are added in chunk order,
+// each output's on its own, so the bits do not depend on the grouping. A lane's first partial's (max, sum) is loaded
+// once for both passes over them. Rows of a ROTATED format (kv.cuh) give outputs in their domain: merged in shared
+// memory, rotated back, then gated. Out of line: one block per kv head runs it, and its registers stay its own.
 template <class M, int THREADS, class KV = KVBf16>
 __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, float* work) {
-    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32;
-    constexpr int BATCH = 8;  // a thread's partials in flight together (more spill the 27B's kernel)
+    constexpr int G = M::ATT_NH / M::ATT_NKV, HD = M::ATT_HD, WARPS = THREADS / 32, QUADS = G * HD / 4;
+    constexpr int BATCH = 8;  // a thread's partials in flight together
+    static_assert(HD % 4 == 0, "outputs in quads of a head");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int max_chunks = max(1, (int)gridDim.x / M::ATT_NKV);
     float* wgt = work;                    // [max_chunks][G] partial weights
     float* total = wgt + max_chunks * G;  // [G] their sums
     float* merged = work + (max_chunks * G + G + 3) / 4 * 4;  // [G][HD] the outputs before the rotation back
                                                               // (ROTATED formats), 16-byte aligned
-    const auto gate = [&](int e) {  // output e's gate, sigmoid applied
-        return sigmoid(load_coherent(L.qkv + (size_t)(g * G + e / HD) * 2 * HD + HD + e % HD));
+    const auto gate = [&](int q) {  // quad q's gates (outputs 4q ..), sigmoid applied
+        const int e = 4 * q;
+        const float4 z = load_coherent(reinterpret_cast<const float4*>(L.qkv + (size_t)(g * G + e / HD) * 2 * HD + HD + e % HD));
+        return make_float4(sigmoid(z.x), sigmoid(z.y), sigmoid(z.z), sigmoid(z.w));
+    };
+    const auto load_batch = [&](int q, int i0, float4 (&part)[BATCH]) {
+        const float4* acc = reinterpret_cast<const float4*>(L.part_acc) + ((size_t)g * max_chunks * G * HD + 4 * q) / 4;
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j)
+            part[j] = i0 + j < n_chunks ? __ldcg(acc + (size_t)(i0 + j) * G * HD / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     };
     if (warp < G) {
         const float2* ml = reinterpret_cast<const float2*>(L.part_ml) + (size_t)g * max_chunks * G;  // (max, sum)
-        float mx = -__int_as_float(0x7f800000);
-        for (int i = lane; i < n_chunks; i += 32) mx = fmaxf(mx, __ldcg(&ml[i * G + warp].x));
+        const float2 own = lane < n_chunks ? __ldcg(ml + lane * G + warp) : make_float2(-__int_as_float(0x7f800000), 0.f);
+        float mx = own.x;
+        for (int i = lane + 32; i < n_chunks; i += 32) mx = fmaxf(mx, __ldcg(&ml[i * G + warp].x));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float s = 0.f;
         for (int i = lane; i < n_chunks; i += 32) {
-            const float2 m = __ldcg(ml + i * G + warp);
+            const float2 m = i == lane ? own : __ldcg(ml + i * G + warp);
             const float w = __expf(m.x - mx);
             wgt[i * G + warp] = w;
             s += w * m.y;
@@ -181,28 +192,35 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
         if (lane == 0) total[warp] = s;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * HD; e += THREADS) {
-        const int h = e / HD, d = e % HD;
-        float gt = 0.f;  // loaded before the partials, so that its latency hides behind theirs
-        if constexpr (!KV::ROTATED) gt = gate(e);
-        float a = 0.f;
+    for (int q = threadIdx.x; q < QUADS; q += THREADS) {
+        const int h = 4 * q / HD;
+        float4 gt = make_float4(0.f, 0.f, 0.f, 0.f), part[BATCH];
+        if constexpr (!KV::ROTATED) gt = gate(q);  // loaded before the partials: its latency hides behind theirs
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int i0 = 0; i0 < n_chunks; i0 += BATCH) {
-            float part[BATCH];
+            load_batch(q, i0, part);
 #pragma unroll
             for (int j = 0; j < BATCH; ++j)
-                part[j] = i0 + j < n_chunks
-                        ? __ldcg(L.part_acc + (((size_t)g * max_chunks + i0 + j) * G + h) * HD + d) : 0.f;
-#pragma unroll
-            for (int j = 0; j < BATCH; ++j)
-                if (i0 + j < n_chunks) a += wgt[(i0 + j) * G + h] * part[j];
+                if (i0 + j < n_chunks) {
+                    const float w = wgt[(i0 + j) * G + h];
+                    a.x += w * part[j].x;
+                    a.y += w * part[j].y;
+                    a.z += w * part[j].z;
+                    a.w += w * part[j].w;
+                }
         }
-        if constexpr (KV::ROTATED) merged[e] = a / total[h];
-        else L.out[(g * G + h) * HD + d] = a / total[h] * gt;
+        const float r = total[h];
+        a = make_float4(a.x / r, a.y / r, a.z / r, a.w / r);
+        if constexpr (KV::ROTATED) reinterpret_cast<float4*>(merged)[q] = a;
+        else reinterpret_cast<float4*>(L.out + g * G * HD)[q] = make_float4(a.x * gt.x, a.y * gt.y, a.z * gt.z, a.w * gt.w);
     }
     if constexpr (KV::ROTATED) {
         __syncthreads();
         kv_rotate_groups<KV, true, THREADS>(merged, G * HD);
-        for (int e = threadIdx.x; e < G * HD; e += THREADS) L.out[g * G * HD + e] = merged[e] * gate(e);
+        for (int q = threadIdx.x; q < QUADS; q += THREADS) {
+            const float4 a = reinterpret_cast<const float4*>(merged)[q], z = gate(q);
+            reinterpret_cast<float4*>(L.out + g * G * HD)[q] = make_float4(a.x * z.x, a.y * z.y, a.z * z.z, a.w * z.w);
+        }
     }
     if constexpr (G * HD % 32 == 0)
         if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of theirs
