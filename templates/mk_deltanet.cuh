@@ -153,16 +153,6 @@ __device__ __forceinline__ DeltaNetGates deltanet_gates_of(float b, float a, flo
     return gt;
 }
 
-// The same, reading b and a from the token's in-projection row `mixed`.
-template <class M>
-__device__ __forceinline__ DeltaNetGates deltanet_gates(const float* mixed, const float* a_log, const float* dt_bias,
-                                                        int vh, float q_sum, float k_sum) {
-    constexpr int C = M::LIN_CONV_DIM;
-    return deltanet_gates_of<M>(load_coherent(mixed + C + M::LIN_VALUE_DIM + vh),
-                                load_coherent(mixed + C + M::LIN_VALUE_DIM + M::LIN_HV + vh), a_log[vh], dt_bias[vh],
-                                q_sum, k_sum);
-}
-
 // One token's front for an item: conv + SiLU of the channels it reads (q and k of key head kh, the SLICE value
 // channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. window(ch, t) points at
 // the raw input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence;

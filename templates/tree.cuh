@@ -75,6 +75,70 @@ struct TreeDeltaNetSmem {
     static_assert(sizeof(DeltaNetGates) == 16 && LEVEL % 4 == 0, "gates are float4-aligned");
 };
 
+// Front units u0, u0 + THREADS, .. (UNITS of them) of tree DeltaNet item (vh, slice), over runs of RUN steps: unit u
+// takes column c = u % (F + 2) of the run from step u / (F + 2) RUN. Columns c < F (TreeDeltaNetSmem::FRONT) are the
+// item's conv channels: conv + SiLU into fronts[step][c], and with ring_slot >= 0 (a decode step's commit) the
+// channel's input into that slot of the ring where the item writes the channel (deltanet_writes_channel). Columns F
+// and F + 1 are the gates' inputs of value head vh, b and a, stored raw into gates[step].beta and .decay. A unit
+// works out its column and loads its conv taps once; every load of the units is issued before the first is used (a
+// store to `fronts` or the ring may alias them for the compiler, which would otherwise wait for each unit's loads in
+// turn: per element, units of one step a pass took ~150 instructions, ncu on the 27B at 23 nodes).
+template <class M, int THREADS, int RUN, int UNITS>
+__device__ __forceinline__ void tree_deltanet_fronts(const TreeDeltaNet& T, int vh, int slice, int steps,
+                                                     const int* schedule, const int* windows, float* fronts,
+                                                     DeltaNetGates* gates, int ring_slot, int u0) {
+    constexpr int K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, F = TreeDeltaNetSmem<M, THREADS>::FRONT, COLS = F + 2;
+    static_assert(RUN * (K - 1) <= 32, "a unit's taps in one word");
+    const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE, units = (steps + RUN - 1) / RUN * COLS;
+    // unit u's input column in an in-projection row: its conv channel, or b or a of head vh
+    const auto column = [&](int c) {
+        return c < F ? deltanet_channel<M>(c, kh, vh, j0) : C + M::LIN_VALUE_DIM + (c - F) * M::LIN_HV + vh;
+    };
+    float w[UNITS][K], x[UNITS][RUN], past[UNITS][RUN][K - 1];
+    unsigned has[UNITS];  // bit (K - 1) b + t: step b of the run has its tap t (before the sequence, or b and a: not)
+#pragma unroll
+    for (int n = 0; n < UNITS; ++n) {
+        const int u = min(u0 + n * THREADS, units - 1), c = u % COLS, s0 = u / COLS * RUN, ch = column(c);
+#pragma unroll
+        for (int t = 0; t < K; ++t) w[n][t] = c < F ? T.conv_w[ch * K + t] : 0.f;
+        has[n] = 0;
+#pragma unroll
+        for (int b = 0; b < RUN; ++b) {
+            const bool live = s0 + b < steps;
+            const int s = live ? s0 + b : s0;
+            const int* window = windows + s * (K - 1);
+            x[n][b] = live ? load_coherent(T.mixed + (size_t)step_node(schedule[s]) * T.stride + ch) : 0.f;
+#pragma unroll
+            for (int t = 0; t < K - 1; ++t) {
+                const int src = live && c < F ? window[t] : -1;
+                has[n] |= static_cast<unsigned>(src != -1) << ((K - 1) * b + t);
+                past[n][b][t] = src == -1 ? 0.f
+                              : load_coherent(src >= 0 ? T.mixed + (size_t)src * T.stride + ch
+                                                       : T.conv_ring + (size_t)(-2 - src) * C + ch);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < UNITS; ++n) {
+        const int u = u0 + n * THREADS, c = u % COLS, s0 = u / COLS * RUN;
+        if (u >= units) break;
+#pragma unroll
+        for (int b = 0; b < RUN; ++b) {
+            if (s0 + b >= steps) break;
+            if (c >= F) {
+                (c == F ? gates[s0 + b].beta : gates[s0 + b].decay) = x[n][b];
+                continue;
+            }
+            fronts[(s0 + b) * F + c] = deltanet_conv<M>(w[n], x[n][b], [&](int t, float& y) {
+                y = past[n][b][t];
+                return (has[n] >> ((K - 1) * b + t) & 1u) != 0;
+            });
+            if (ring_slot >= 0 && deltanet_writes_channel<M>(c, vh, slice))
+                T.conv_ring[(size_t)ring_slot * C + column(c)] = x[n][b];
+        }
+    }
+}
+
 // Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
 // on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
 // barrier. With `commit` the final state is written back and the ring updated. `ints` holds 3 MAX_NODES +
@@ -108,6 +172,8 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
         depth[i] = T.depth[i];
     }
     for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
+    __shared__ float head_gate[2];  // the head's A_log and dt_bias (the gates'), with the tree in the same round trip
+    if (threadIdx.x < 2) head_gate[threadIdx.x] = (threadIdx.x == 0 ? T.a_log : T.dt_bias)[vh];
     __syncthreads();
     for (int s = threadIdx.x; s < steps; s += THREADS) {
         const int node = step_node(schedule[s]), pos = T.start + depth[node];
@@ -123,52 +189,25 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     // as it reads them (deltanet_writes_channel, as the megakernel does): their slot, position % K, is in no window
     // of this launch. More steps: the last item to finish writes the path's (below).
     const bool own_ring = commit && steps == 1;
-    // The fronts in units of a channel c and a run of FRONT_STEPS steps, spread over the block: a unit works out its
-    // channel and loads its conv taps once, and issues all its inputs' loads before the first is used (a store to
-    // `fronts` or the ring may alias them for the compiler, which would otherwise wait for each element's loads in
-    // turn). Per element, units of one step took ~150 instructions (ncu, 27B, 23 nodes: 61% of the kernel's samples).
-    constexpr int FRONT_STEPS = 4;
-    for (int u = threadIdx.x; u < (steps + FRONT_STEPS - 1) / FRONT_STEPS * F; u += THREADS) {
-        const int c = u % F, s0 = u / F * FRONT_STEPS, ch = deltanet_channel<M>(c, kh, vh, j0);
-        float w[K], x[FRONT_STEPS], past[FRONT_STEPS][K - 1];
-        unsigned has = 0;  // bit (K - 1) b + t: step s0 + b has its tap t (before the sequence: not)
-        static_assert(FRONT_STEPS * (K - 1) <= 32, "a unit's taps in one word");
-#pragma unroll
-        for (int t = 0; t < K; ++t) w[t] = T.conv_w[ch * K + t];
-#pragma unroll
-        for (int b = 0; b < FRONT_STEPS; ++b) {
-            const bool live = s0 + b < steps;
-            const int s = live ? s0 + b : s0;
-            const int* window = windows + s * (K - 1);
-            x[b] = live ? load_coherent(T.mixed + (size_t)step_node(schedule[s]) * T.stride + ch) : 0.f;
-#pragma unroll
-            for (int t = 0; t < K - 1; ++t) {
-                const int src = live ? window[t] : -1;
-                has |= static_cast<unsigned>(src != -1) << ((K - 1) * b + t);
-                past[b][t] = src == -1 ? 0.f
-                           : load_coherent(src >= 0 ? T.mixed + (size_t)src * T.stride + ch
-                                                    : T.conv_ring + (size_t)(-2 - src) * C + ch);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < FRONT_STEPS; ++b) {
-            if (s0 + b >= steps) break;
-            fronts[(s0 + b) * F + c] = deltanet_conv<M>(w, x[b], [&](int t, float& y) {
-                y = past[b][t];
-                return (has >> ((K - 1) * b + t) & 1u) != 0;
-            });
-            if (own_ring && deltanet_writes_channel<M>(c, vh, slice)) T.conv_ring[(size_t)slots[0] * C + ch] = x[b];
-        }
-    }
+    // The fronts: a decode step's in one pass of all of a thread's units (one round trip), a tree's a unit of RUN
+    // steps a pass.
+    constexpr int RUN = 4;
+    const int ring_slot = own_ring ? slots[0] : -1;
+    if (steps == 1)
+        tree_deltanet_fronts<M, THREADS, 1, (F + 2 + THREADS - 1) / THREADS>(T, vh, slice, steps, schedule, windows,
+                                                                             fronts, gates, ring_slot, threadIdx.x);
+    else
+        for (int u0 = threadIdx.x; u0 < (steps + RUN - 1) / RUN * (F + 2); u0 += THREADS)
+            tree_deltanet_fronts<M, THREADS, RUN, 1>(T, vh, slice, steps, schedule, windows, fronts, gates, ring_slot, u0);
     __syncthreads();
     for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
         const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);
         if (lane == 0) sums[task] = ss;
     }
     __syncthreads();
-    for (int s = threadIdx.x; s < steps; s += THREADS)
-        gates[s] = deltanet_gates<M>(T.mixed + (size_t)step_node(schedule[s]) * T.stride, T.a_log, T.dt_bias, vh,
-                                     sums[2 * s], sums[2 * s + 1]);
+    for (int s = threadIdx.x; s < steps; s += THREADS)  // from b and a, stored raw in beta and decay by the fronts
+        gates[s] = deltanet_gates_of<M>(gates[s].beta, gates[s].decay, head_gate[0], head_gate[1], sums[2 * s],
+                                        sums[2 * s + 1]);
     __syncthreads();
 
     for (int s = 0; s < steps; ++s) {
