@@ -47,6 +47,7 @@ struct TreeDeltaNet {
     const int* parents;     // [N]
     const int* depth;       // [N]
     const int* schedule;    // [steps] codes (step_node ..)
+    const int* io;          // the position of node 0 is io[0] + start (io null: start)
     int nodes, steps, levels, start;  // levels: the stack levels the schedule uses
     float* out;             // [N][Hv * dv] raw head outputs
     unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
@@ -141,11 +142,11 @@ __device__ __forceinline__ void tree_deltanet_fronts(const TreeDeltaNet& T, int 
 
 // Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
 // on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
-// barrier. With `commit` the final state is written back and the ring updated. `ints` holds 3 MAX_NODES +
-// MAX_NODES K ints of shared memory (the tree's parents, depth and schedule, each step's window and ring slot),
-// `flag` one.
+// barrier. mode (tree.cu.j2's commit): 0 a verify; 1 a decode step, 2 a path commit (no wait for the kernel before):
+// with either the final state is written back and the ring updated. `ints` holds 3 MAX_NODES + MAX_NODES K ints of
+// shared memory (the tree's parents, depth and schedule, each step's window and ring slot), `flag` one.
 template <class M, int THREADS, int MAX_NODES>
-__device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, int slice, float* smem, int* ints,
+__device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
     constexpr int DK = M::LIN_DK, DV = M::LIN_DV, K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, HV = M::LIN_HV;
     using P = DeltaNetSplit<M, THREADS>;
@@ -153,6 +154,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
     constexpr int F = Smem::FRONT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = deltanet_key_head<M>(vh);
     const int j0 = slice * M::LIN_SLICE, steps = T.steps;
+    const bool commit = mode != 0;
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
     float* stack = smem;
     DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + T.levels * Smem::LEVEL);
@@ -165,18 +167,26 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, bool commit, int vh, i
                                           // s (-2 - s) or nothing (-1: before the sequence)
     int* slots = windows + MAX_NODES * (K - 1);  // [steps] the ring slot of each step's position (the commit's; kept
                                                  // here, the position need not stay in a register to the end)
+    __shared__ float head_gate[2];  // the head's A_log and dt_bias (the gates')
+    const auto load_tree = [&] {    // the tree and schedule into shared memory, and head_gate
+        for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
+            parents[i] = T.parents[i];
+            depth[i] = T.depth[i];
+        }
+        for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
+        if (threadIdx.x < 2) head_gate[threadIdx.x] = (threadIdx.x == 0 ? T.a_log : T.dt_bias)[vh];
+    };
+    // A decode step's tree is the one-node tree uploaded before any launch: read before the wait for the kernel
+    // before, so that its round trip runs under that kernel's end. A verify's or a path's tree is read after it.
+    if (mode == 1) load_tree();
+    if (mode != 2) wait_for_prior_grids();
+    if (mode != 1) load_tree();
+    const int start = tree_start(T.io, T.start);
     float S[P::WARP_COLS][P::LANE_ROWS];
-    deltanet_load_state<M, THREADS>(S, state, T.start > 0);  // first: the latency overlaps the fronts
-    for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
-        parents[i] = T.parents[i];
-        depth[i] = T.depth[i];
-    }
-    for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
-    __shared__ float head_gate[2];  // the head's A_log and dt_bias (the gates'), with the tree in the same round trip
-    if (threadIdx.x < 2) head_gate[threadIdx.x] = (threadIdx.x == 0 ? T.a_log : T.dt_bias)[vh];
+    deltanet_load_state<M, THREADS>(S, state, start > 0);  // first: the latency overlaps the fronts
     __syncthreads();
     for (int s = threadIdx.x; s < steps; s += THREADS) {
-        const int node = step_node(schedule[s]), pos = T.start + depth[node];
+        const int node = step_node(schedule[s]), pos = start + depth[node];
         int a = node;
         for (int d = 1; d < K; ++d) {
             a = a >= 0 ? parents[a] : -1;
