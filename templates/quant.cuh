@@ -138,33 +138,46 @@ struct alignas(16) XBlock {
 };
 static_assert(sizeof(XBlock) == 48, "XBlock is three 16-byte words");
 
+// The rounding an XBlock is made of, shared by its two quantizers so that they give the same bytes: the scale d of a
+// block whose max |x| is amax, and 1 / d (0 for a block of zeros); four values at that inverse scale as a word of
+// signed bytes (value i in byte i), their sum added to `sum`; dv from d and the block's sum.
+struct XBlockScale {
+    float d, inv;
+    __device__ explicit XBlockScale(float amax) : d(__fdiv_rn(amax, 127.f)), inv(d == 0.f ? 0.f : __fdiv_rn(1.f, d)) {}
+    __device__ unsigned word(float4 v, int& sum) const {
+        const float f[4] = {v.x, v.y, v.z, v.w};
+        unsigned w = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = __float2int_rn(__fmul_rn(f[i], inv));
+            sum += q;
+            w |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
+        }
+        return w;
+    }
+    __device__ float dv(int sum) const { return __fmul_rn(d, static_cast<float>(sum)); }
+};
+
+__device__ __forceinline__ float abs_max4(float4 v) {
+    return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+
 // 32 fp32 values (16-byte aligned) -> their XBlock.
 __device__ __forceinline__ XBlock quantize_xblock(const float* x) {
-    float v[32];
+    float4 v[8];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        const float4 f = reinterpret_cast<const float4*>(x)[i];
-        v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+        v[i] = reinterpret_cast<const float4*>(x)[i];
+        amax = fmaxf(amax, abs_max4(v[i]));
     }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    const XBlockScale sc(amax);
     XBlock b;
-    b.d = __fdiv_rn(amax, 127.f);
-    const float inv = b.d == 0.f ? 0.f : __fdiv_rn(1.f, b.d);
+    b.d = sc.d;
     b.h[0] = b.h[1] = 0;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-        unsigned word = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int q = __float2int_rn(__fmul_rn(v[4 * w + i], inv));
-            b.h[w / 4] += q;
-            word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
-        }
-        b.q[w] = static_cast<int>(word);
-    }
-    b.dv = __fmul_rn(b.d, static_cast<float>(b.h[0] + b.h[1]));
+    for (int w = 0; w < 8; ++w) b.q[w] = static_cast<int>(sc.word(v[w], b.h[w / 4]));
+    b.dv = sc.dv(b.h[0] + b.h[1]);
     return b;
 }
 
@@ -182,25 +195,18 @@ struct XBlockLanes {
 };
 
 __device__ __forceinline__ XBlockLanes quantize_xblock_lanes(float4 v, int lane) {
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    float amax = abs_max4(v);
 #pragma unroll
     for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    const float d = __fdiv_rn(amax, 127.f), inv = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
-    const float f[4] = {v.x, v.y, v.z, v.w};
+    const XBlockScale sc(amax);
     XBlockLanes out;
-    out.word = 0;
     int half = 0;  // this lane's 4, then its half's 16
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int q = __float2int_rn(__fmul_rn(f[i], inv));
-        half += q;
-        out.word |= (static_cast<unsigned>(q) & 0xFFu) << (8 * i);
-    }
+    out.word = sc.word(v, half);
     half += __shfl_xor_sync(0xFFFFFFFFu, half, 1);
     half += __shfl_xor_sync(0xFFFFFFFFu, half, 2);
     const int other = __shfl_xor_sync(0xFFFFFFFFu, half, 4);
     const int h0 = lane % 8 < 4 ? half : other, h1 = lane % 8 < 4 ? other : half;
-    out.meta = make_int4(__float_as_int(d), __float_as_int(__fmul_rn(d, static_cast<float>(h0 + h1))), h0, h1);
+    out.meta = make_int4(__float_as_int(sc.d), __float_as_int(sc.dv(h0 + h1)), h0, h1);
     return out;
 }
 
