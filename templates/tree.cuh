@@ -152,7 +152,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
     using P = DeltaNetSplit<M, THREADS>;
     using Smem = TreeDeltaNetSmem<M, THREADS>;
     constexpr int F = Smem::FRONT;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, kh = deltanet_key_head<M>(vh);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int j0 = slice * M::LIN_SLICE, steps = T.steps;
     const bool commit = mode != 0;
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
