@@ -51,11 +51,32 @@ def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0,
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     if top_p < 1:
-        order = np.argsort(-probs, kind="stable")
+        order = most_probable_first(probs, top_p)
         mass_before = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
-        probs[order[mass_before >= top_p]] = 0
-        probs /= probs.sum()
+        kept = order[mass_before < top_p]
+        nucleus = np.zeros_like(probs)
+        nucleus[kept] = probs[kept]
+        probs = nucleus / nucleus.sum()
     return probs
+
+
+NUCLEUS_CANDIDATES = 1024  # the most probable tokens a top-p cut looks among before it sorts the whole vocabulary
+
+
+def most_probable_first(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Token ids by falling probability (equal ones by lower id first): a prefix of that order at least as long
+    as the top_p nucleus. The tokens of probability >= the NUCLEUS_CANDIDATES-th largest come first in the full order;
+    when their mass reaches top_p they hold the nucleus and only they are sorted (a 248K vocabulary: ~1 ms, against
+    ~35 ms for all of it); else the whole vocabulary is. The prefix's running sums are the full order's (cumsum
+    adds in order), so the cut is the same to the bit."""
+    n = probs.size
+    if NUCLEUS_CANDIDATES < n:
+        kth = np.partition(probs, n - NUCLEUS_CANDIDATES)[n - NUCLEUS_CANDIDATES]
+        candidates = np.flatnonzero(probs >= kth)
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        if np.cumsum(probs[order])[-1] >= top_p:
+            return order
+    return np.argsort(-probs, kind="stable")
 
 
 class Sampler:
