@@ -41,7 +41,7 @@ class ScriptedEngine:
 
     def _next(self, n: int) -> np.ndarray:
         logits = np.zeros(self.config.vocab_size, np.float32)
-        logits[self.script[self.calls.count("decode")]] = 1
+        logits[self.script[sum(c.startswith("decode") for c in self.calls)]] = 1
         self.position += n
         assert self.position <= self.max_context
         return logits
@@ -149,6 +149,26 @@ def test_length_and_counts(tokenizer):
     out, pieces, engine = run(tokenizer, "Hello, world", max_tokens=5)
     assert (out.text, out.finish_reason, out.completion_tokens, out.prompt_tokens) == ("Hello", "length", 5, 3)
     assert engine.calls == ["reset", "prefill"] + ["decode"] * 4  # no step for a token that is not needed
+
+
+class DeviceArgmaxEngine(ScriptedEngine):
+    """A ScriptedEngine that also has decode_argmax, as the cuda engines (their device argmax: no logits copied)."""
+
+    def decode_argmax(self, token: int) -> int:
+        self.calls.append("decode_argmax")
+        return int(np.argmax(self._next(1)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_greedy_steps_take_the_engines_argmax(tokenizer, temperature):
+    """Greedy decode steps go through decode_argmax where the engine has it; sampled ones through decode's logits."""
+    script = tokenizer.encode("Hello, world")
+    engine = DeviceArgmaxEngine(script)
+    out = generate(engine, tokenizer, [1, 2, 3], len(script), SamplingParams(temperature=temperature, seed=0))
+    step = "decode_argmax" if temperature == 0 else "decode"
+    assert engine.calls == ["reset", "prefill"] + [step] * (len(script) - 1)
+    if temperature == 0:
+        assert out.token_ids == script and out.text == "Hello, world"
 
 
 @pytest.mark.parametrize("stop, text, through", [

@@ -33,4 +33,6 @@ class Engine(Protocol):
         """Append `tokens` to the state; return the float32 logits [vocab] after the last one."""
 
     def decode(self, token: int) -> np.ndarray:
-        """Append one token; return the float32 logits [vocab] after it."""
+        """Append one token; return the float32 logits [vocab] after it. An engine may also have
+        decode_argmax(token) -> int: the same step, returning the argmax of those logits (numpy's rule: the lowest
+        index of the largest) without copying them to the host; greedy generation takes it where it is."""

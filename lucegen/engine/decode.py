@@ -81,6 +81,10 @@ class DecodeEngine(Speculating):
     def decode(self, token: int) -> np.ndarray:
         return self.run([token], logits="last").logits[-1]
 
+    def decode_argmax(self, token: int) -> int:
+        """decode's step, returning the megakernel's argmax (numpy's rule), not vocab logits."""
+        return int(self.run([token]).tokens[-1])
+
     # ---- beyond the interface ---------------------------------------------------------------------------------
     def step(self, token: int, position: int | None = None) -> tuple[np.ndarray, int]:
         """One step at `position` (default: the state's); (logits [vocab], argmax)."""

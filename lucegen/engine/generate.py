@@ -103,9 +103,10 @@ class _StopText:
 
 
 class _Tokens:
-    """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode), or with a
-    draft (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run
-    only when their tokens are asked for; `passes` counts them."""
+    """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode; greedy:
+    engine.decode_argmax where the engine has it, which leaves the logits on the device), or with a draft
+    (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run only when
+    their tokens are asked for; `passes` counts them."""
 
     def __init__(self, engine: Engine, sampler: Sampler, prompt_ids: Sequence[int], max_tokens: int):
         self.engine, self.sampler, self.prompt_ids, self.max_tokens = engine, sampler, prompt_ids, max_tokens
@@ -113,12 +114,14 @@ class _Tokens:
 
     def __iter__(self) -> Iterator[int]:
         engine, sampler = self.engine, self.sampler
+        greedy = getattr(engine, "decode_argmax", None) if sampler.params.temperature == 0 else None
+        step = greedy or (lambda token: sampler(engine.decode(token)))
         out = [sampler(engine.prefill(self.prompt_ids))]
         yield out[0]
         while True:
             self.passes += 1
             new = (engine.speculate([*self.prompt_ids, *out], self.max_tokens - len(out), sampler)
-                   if getattr(engine, "speculation", None) else [sampler(engine.decode(out[-1]))])
+                   if getattr(engine, "speculation", None) else [step(out[-1])])
             out += new
             yield from new
 

@@ -368,6 +368,12 @@ class LayeredEngine(Speculating):
     def decode(self, token: int) -> np.ndarray:
         return self.run([token])[0][0]
 
+    def decode_argmax(self, token: int) -> int:
+        """decode's step, returning the step's device argmax (numpy's rule), not vocab logits."""
+        self.step.launch([token])
+        self.step.wait()
+        return int(self.step.tokens.view(1).numpy()[0])
+
     @property
     def max_tree_nodes(self) -> int:
         return self.step.tree.max_nodes  # the spec's largest DDTree (tuning.ddtree.capacity) + the root
