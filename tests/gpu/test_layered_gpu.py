@@ -127,6 +127,23 @@ def test_greedy_tokens_equal_the_reference_on_a_peaked_gguf(tmp_path_factory):
     assert out == generate(ref, RATIO3_Q, prompt, 24)
 
 
+def test_decode_argmax_is_the_argmax_of_decodes_logits(gguf):
+    """decode_argmax (greedy generation's step: the device argmax, no logits to the host) takes decode's step: the
+    same token as numpy's argmax of decode's logits, and the same state after it, step after step."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, RATIO3_Q.vocab_size, 24)]
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    want = [int(np.argmax(engine.decode(t))) for t in tokens[4:]]
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    assert [engine.decode_argmax(t) for t in tokens[4:]] == want
+    assert engine.position == len(tokens)
+
+
 def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
     """HF's grouped value-head order and bf16 matrices (qgemv's bf16 format)."""
     weights, ref = checkpoint(tmp_path_factory, "hf", peaked=False)
