@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lucegen.engine import sampling
 from lucegen.engine.sampling import Sampler, SamplingParams, filtered_probs
 
 # Token probabilities in shuffled id order, with a tie (ids 2 and 5) to show how equal probabilities are ordered.
@@ -71,24 +70,20 @@ def definitional(logits, temperature, top_k, top_p) -> np.ndarray:
 
 @settings(max_examples=200, deadline=None)
 @given(logits=st.lists(st.floats(-8, 8), min_size=2, max_size=12), temperature=st.floats(0.1, 4),
-       top_k=st.integers(0, 14), top_p=st.floats(0.01, 1), candidates=st.sampled_from([1, 3, 1024]))
-def test_filtered_probs_matches_the_definition(logits, temperature, top_k, top_p, candidates):
-    """candidates: sampling.NUCLEUS_CANDIDATES, so that a top-p cut takes both ways (the nucleus within the most
-    probable few, or a sort of the whole vocabulary)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
-        got = filtered_probs(np.array(logits), temperature, top_k, top_p)
+       top_k=st.integers(0, 14), top_p=st.floats(0.01, 1))
+def test_filtered_probs_matches_the_definition(logits, temperature, top_k, top_p):
+    got = filtered_probs(np.array(logits), temperature, top_k, top_p)
     np.testing.assert_allclose(got, definitional(logits, temperature, top_k, top_p), rtol=1e-9, atol=1e-12)
     assert got.sum() == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("scale", [1.0, 8.0])
 def test_top_p_among_the_most_probable_is_the_whole_sort(scale):
-    """A vocabulary of the real size: the nucleus found among the most probable tokens (peaked logits) or by the
-    whole sort (flat ones) is the cut of the full stable order, to the bit, ties included."""
+    """A vocabulary of the real size, flat or peaked logits: the nucleus cut from the most probable tokens alone is
+    the cut of the full stable order, to the bit, ties included."""
     rng = np.random.default_rng(7)
     logits = np.round(rng.standard_normal(248_320) * scale, 1)  # rounded: many ties
-    for top_p in (0.3, 0.9, 0.999):
+    for top_p in (0.3, 0.9, 0.999, 1 - 1e-12):
         probs = filtered_probs(logits, 0.8)
         order = np.argsort(-probs, kind="stable")
         mass_before = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
@@ -124,6 +119,20 @@ def test_drawn_frequencies(case):
     if case != "plain":  # the check has the power to tell: the unfiltered draws fail against this distribution
         plain = Sampler(SamplingParams(seed=1234))
         assert not frequencies_match(np.array([plain(LOGITS) for _ in range(N_DRAWS)]), np.asarray(expected))
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 4000), top_k=st.integers(0, 60),
+       top_p=st.floats(0.05, 1), scale=st.floats(0.5, 6))
+def test_a_filtered_draw_is_the_draw_over_the_whole_vocabulary(seed, vocab, top_k, top_p, scale):
+    """Sampler draws a filtered distribution over the tokens it kept: each token the one numpy's choice over the
+    whole vocabulary gives from the same generator state."""
+    logits = np.random.default_rng(seed).standard_normal(vocab) * scale
+    params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, seed=seed)
+    sampler, whole = Sampler(params), np.random.default_rng(seed)
+    probs = filtered_probs(logits, 0.9, top_k, top_p)
+    for _ in range(5):
+        assert sampler(logits) == int(whole.choice(probs.size, p=probs))
 
 
 def test_seeds():
