@@ -51,27 +51,28 @@ def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0,
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     if top_p < 1:
-        order = most_probable_first(probs, top_p)
-        mass_before = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
-        kept = order[mass_before < top_p]
+        order, running = most_probable_first(probs, top_p)
+        kept = order[np.concatenate(([0.0], running[:-1])) < top_p]  # the mass before each is short of top_p
         nucleus = np.zeros_like(probs)
         nucleus[kept] = probs[kept]
         probs = nucleus / nucleus.sum()
     return probs
 
 
-def most_probable_first(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Token ids by falling probability (equal ones by lower id first): a prefix of that order at least as long
-    as the top_p nucleus. The tokens of probability below (1 - top_p) / vocab hold less than 1 - top_p together, so
+def most_probable_first(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids by falling probability (equal ones by lower id first), a prefix of that order at least as long as
+    the top_p nucleus, and the running sums of their probabilities. The tokens of probability below (1 - top_p) / vocab hold less than 1 - top_p together, so
     the others (the first in the full order) hold the nucleus, and only they are sorted: a peaked distribution over
     248K tokens sorts a handful, not all of them (~35 ms on the CI machine). Their mass is checked against top_p all
     the same (rounding); the whole vocabulary is sorted where it falls short. The prefix's running sums are the full
     order's (cumsum adds in order), so the cut is the same to the bit."""
     candidates = np.flatnonzero(probs >= (1 - top_p) / probs.size)
     order = candidates[np.argsort(-probs[candidates], kind="stable")]
-    if order.size and np.cumsum(probs[order])[-1] >= top_p:
-        return order
-    return np.argsort(-probs, kind="stable")
+    running = np.cumsum(probs[order])
+    if order.size and running[-1] >= top_p:
+        return order, running
+    order = np.argsort(-probs, kind="stable")
+    return order, np.cumsum(probs[order])
 
 
 class Sampler:
