@@ -63,7 +63,10 @@ class Launch:
 
 
 GEMV_METHODS = ("ldg", "bulk")
-TENSOR_CORE_FORMATS = ("q4_k", "q6_k")  # kernels/qgemm_tc.py's
+# kernels/qgemm_tc.py's. Not Q6_K: its rows are repacked on the GPU at load (pairs of blocks, 16-byte aligned) for
+# the int8 GEMV/GEMM, and qgemm_tc's TcQ6K read GGUF's 210-byte blocks (~38% of the read rate; off in every spec),
+# so it was dropped rather than ported.
+TENSOR_CORE_FORMATS = ("q4_k",)
 QGEMM_METHODS = ("dp4a", "mma")  # the quantized GEMM (M > 1): integer dot products, or int8 mma.sync (sm_80+)
 
 

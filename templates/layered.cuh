@@ -12,9 +12,9 @@ namespace lucegen {
 // x (fp32 [K]) = row `id` of an embedding table in format F (its values exactly as quants.dequantize gives them).
 template <class F, int K, int THREADS>
 __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, float* __restrict__ x) {
-    static_assert(K % F::BLOCK_VALUES == 0, "embedding rows are whole blocks");
-    constexpr int PIECES = K / F::BLOCK_VALUES * F::PIECES;
-    const unsigned char* row = table + (size_t)id * (K / F::BLOCK_VALUES * F::BLOCK_BYTES);
+    static_assert(K % F::ROW_VALUES == 0, "embedding rows are whole GGUF blocks");
+    constexpr int PIECES = K / (F::BLOCK_VALUES / F::PIECES);
+    const unsigned char* row = table + (size_t)id * row_bytes<F>(K);
     for (int t = threadIdx.x; t < PIECES; t += THREADS) {
         const int b = t / F::PIECES, p = t % F::PIECES;
         const auto pc = F::load(row + (size_t)b * F::BLOCK_BYTES, p);

@@ -1,4 +1,4 @@
-// qgemm_tc.cuh: Y = X W^T for Q4_K or Q6_K weights W [N, K] as the GGUF file stores them and fp16 activations
+// qgemm_tc.cuh: Y = X W^T for Q4_K weights W [N, K] as the GGUF file stores them and fp16 activations
 // X [M, K], on fp16 tensor cores (mma.sync m16n8k16, fp32 accumulators): one kernel for every M, the decode GEMV
 // (M = 1) and the GEMM of a tree verify alike, batch-invariant (a token's outputs do not depend on M or on its place
 // in a tile), so that a verify row equals the decode row by construction. docs/design.md, "Session 9", has the design,
@@ -8,14 +8,14 @@
 // for up to 8 tokens and the decode GEMV wastes only B's columns. A block of WARPS warps computes TILES x 16 output
 // rows for NT x 8 tokens; warp w takes a contiguous share of the K / 256 super-blocks, and the warps' partial sums
 // are added in warp order. Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the A tile: 4 values of one
-// scale group each an mma, dequantised in registers (TcQ4K, TcQ6K below say which). An mma's 16 k slots hold the
-// group's values out of order: lane t's slots 2t, 2t+1 hold its values 0 and 2 (bytes 0 and 2 of a word), slots
+// scale group each an mma, dequantised in registers (TcQ4K below says which). An mma's 16 k slots hold the group's
+// values out of order: lane t's slots 2t, 2t+1 hold its values 0 and 2 (bytes 0 and 2 of a word), slots
 // 2t+8, 2t+9 its values 1 and 3. B takes the activations in the same order: qgemm_tc_x16 stores each 4 fp16 of X as
 // e0 e2 e1 e3, so that a uint2 of token g's row is lane (g, t)'s B fragment as it is.
 //
-// Dequantisation (as Marlin does it): (q | 0x6400) is the fp16 1024 + q; the 1024 (and Q6_K's offset 32) come off
-// exactly, then one HFMA2 (HMUL2) rounds the weight once. (Folding the 1024 into the bias would round away half a
-// quantisation step.) lucegen/kernels/qgemm_tc.py's dequantize_fp16 gives the same fp16 weights in numpy.
+// Dequantisation (as Marlin does it): (q | 0x6400) is the fp16 1024 + q; the 1024 comes off exactly, then one HFMA2
+// rounds the weight once. (Folding the 1024 into the bias would round away half a quantisation step.)
+// lucegen/kernels/qgemm_tc.py's dequantize_fp16 gives the same fp16 weights in numpy.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -76,8 +76,6 @@ __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const u
 // b = fl16(-(dmin m)).
 struct TcQ4K {
     static constexpr int BLOCK_BYTES = 144;
-    static constexpr int RUN_BYTES = 144;  // a block's bytes in shared memory (the weights 16-byte aligned)
-    static constexpr bool ALIGNED = true;  // every block starts 16-byte aligned
 
     // sub-block j's fp16 scale and bias as one word (scale in the low half)
     __device__ static unsigned scale_bias(int j, const uint4& h) {
@@ -146,94 +144,19 @@ struct TcQ4K {
     }
 };
 
-// ---- Q6_K: [0:128] ql | [128:192] qh | [192:208] int8 scales[16] | [208:210] d -------------------------------------
-// Value 32r + l of half hh (r = 0..3, l = 0..31): the low (r < 2) or high nibble of ql[64 hh + 32 (r % 2) + l] and
-// bits 2r, 2r+1 of qh[32 hh + l], q = that - 32; group 8 hh + 2r + (l >= 16) of 16 values has scale sc. Lane (g, t)
-// takes l = 4t .. 4t+3 of each group (16 values, one mma each: 16 a super-block) of each of its rows. Blocks are
-// 210 bytes, so words come from 2-byte aligned addresses (load_words_a2). Weights fl16((q - 32) s), s = fl16(d sc).
-struct TcQ6K {
-    static constexpr int BLOCK_BYTES = 210;
-    static constexpr int RUN_BYTES = 224;  // the 16-byte-aligned run that holds a block at any even address
-    static constexpr bool ALIGNED = false;
-
-    template <int TILES, int NT>
-    __device__ static void superblock(const unsigned char* const (&blk)[TILES][2], size_t k_base, const XCols<NT>& x,
-                                      float (&acc)[TILES][NT][4]) {
-        const int t = threadIdx.x % 4;
-        const __half2 offset = __half2half2(__ushort_as_half(0x6420));  // 1024 + 32
-        float d[TILES][2];
-        unsigned sc[TILES][2][4];
-#pragma unroll
-        for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                d[tile][r] = __half2float(*reinterpret_cast<const __half*>(blk[tile][r] + 208));
-                load_words_a2<4>(blk[tile][r] + 192, sc[tile][r]);
-            }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            unsigned ql[TILES][2][2][2], qh[TILES][2][2];  // [tile][row][run % 2][l >= 16], [tile][row][l >= 16]
-#pragma unroll
-            for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        unsigned w[1];
-                        load_words_a2<1>(blk[tile][r] + 128 + 32 * hh + 16 * i + 4 * t, w);
-                        qh[tile][r][i] = w[0];
-#pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            load_words_a2<1>(blk[tile][r] + 64 * hh + 32 * j + 16 * i + 4 * t, w);
-                            ql[tile][r][j][i] = w[0];
-                        }
-                    }
-#pragma unroll
-            for (int run = 0; run < 4; ++run)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int grp = 8 * hh + 2 * run + i;
-                    unsigned b[NT][2];
-                    x.load(k_base + 128 * hh + 32 * run + 16 * i + 4 * t, b);
-                    unsigned a[TILES][4];  // rows g, g+8 of slots 2t, 2t+1 (bytes 0 and 2), then 2t+8, 2t+9 (1 and 3)
-#pragma unroll
-                    for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int s8 = static_cast<signed char>((sc[tile][r][grp / 4] >> (8 * (grp % 4))) & 0xFFu);
-                            const __half2 scale = __half2half2(__float2half_rn(__fmul_rn(d[tile][r], float(s8))));
-                            // the 4 values q as bytes: ql's nibble, qh's two bits above it (shifted from bits 2 run)
-                            const unsigned qhi = qh[tile][r][i];
-                            const unsigned hi = (run < 2 ? qhi << (4 - 2 * run) : qhi >> (2 * run - 4)) & 0x30303030u;
-                            unsigned q;
-                            asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (ql & 0x0F0F0F0F) | hi
-                                : "=r"(q) : "r"(ql[tile][r][run % 2][i] >> (4 * (run / 2))), "r"(0x0F0F0F0Fu), "r"(hi));
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {  // bytes e and e + 2 under the fp16 exponent of 1024
-                                const unsigned h = __byte_perm(q, 0x64646464u, e ? 0x4341 : 0x4240);
-                                const __half2 v =
-                                    __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), offset), scale);
-                                a[tile][2 * e + r] = *reinterpret_cast<const unsigned*>(&v);
-                            }
-                        }
-                    qgemm_tc_mma(acc, a, b);
-                }
-        }
-    }
-};
-
 // A launch: ceil(N / (16 TILES)) blocks of WARPS * 32 threads, each TILES row tiles of 16 (a last block's tiles past
 // N read row N - 1 and store nothing); rows 0 .. 8 NT - 1 of X (zeros past M), their scales S (qgemm_tc_x16), and
 // rows 0 .. M - 1 of Y, ldy floats apart. Warp w takes a contiguous share of K's super-blocks; the warps' sums are
 // added in warp order, whatever TILES and NT, so a token's outputs are the same bits in every variant.
 //
-// Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; a
-// block's run of 16-byte words, the block at its offset in the first), STAGES - 1 super-blocks ahead of the one it
+// Each warp streams its rows' super-blocks through STAGES buffers of shared memory (cp.async, 16 bytes a copy; the
+// blocks are 16-byte aligned), STAGES - 1 super-blocks ahead of the one it
 // multiplies. Dynamic shared memory: kernels/qgemm_tc.py's smem_bytes.
 template <class F, int NT, int TILES, int WARPS, int STAGES>
 __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __restrict__ X,
                          const float* __restrict__ S, float* __restrict__ Y, int M, int N, int K, int ldy) {
-    constexpr int ROWS_W = 16 * TILES, CHUNKS = F::RUN_BYTES / 16, STAGE = ROWS_W * F::RUN_BYTES;
+    static_assert(F::BLOCK_BYTES % 16 == 0, "blocks copied as 16-byte words");
+    constexpr int ROWS_W = 16 * TILES, CHUNKS = F::BLOCK_BYTES / 16, STAGE = ROWS_W * F::BLOCK_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     unsigned char* const stages = smem + warp * STAGES * STAGE;
@@ -242,8 +165,8 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
     const int s0 = warp * blocks / WARPS, s1 = (warp + 1) * blocks / WARPS;
     const size_t row_bytes = (size_t)blocks * F::BLOCK_BYTES;
     const auto row = [&](int j) { return W + min(n0 + j, N - 1) * row_bytes; };  // the warp's row j
-    // The lane's copies, the same for every super-block: copy i is 16-byte word ch of row j's run (c = lane + 32 i
-    // = j CHUNKS + ch), from src[i] + s BLOCK_BYTES (rounded down to 16 bytes) into dst[i] (< 0: no copy).
+    // The lane's copies, the same for every super-block: copy i is 16-byte word ch of row j's block (c = lane + 32 i
+    // = j CHUNKS + ch), from src[i] + s BLOCK_BYTES into dst[i] (< 0: no copy).
     constexpr int COPIES = (ROWS_W * CHUNKS + 31) / 32;
     const unsigned char* src[COPIES];
     int dst[COPIES];
@@ -252,28 +175,18 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         const int c = lane + 32 * i, j = c / CHUNKS, ch = c % CHUNKS;
         const bool copy = c < ROWS_W * CHUNKS;
         src[i] = row(copy ? j : 0) + 16 * ch;
-        dst[i] = copy ? j * F::RUN_BYTES + 16 * ch : -1;
+        dst[i] = copy ? j * F::BLOCK_BYTES + 16 * ch : -1;
     }
     const auto issue = [&](int s) {  // super-block s of the warp's rows into its stage, if s is in the warp's share
         if (s < s1) {
             unsigned char* const stage = stages + (s - s0) % STAGES * STAGE;
             const size_t step = (size_t)s * F::BLOCK_BYTES;
 #pragma unroll
-            for (int i = 0; i < COPIES; ++i) {
-                const size_t a = reinterpret_cast<size_t>(src[i]) + step;
-                // a 16-byte-aligned block (Q4_K) is its whole run; else the words up to the block's last byte
-                const bool in_run = F::ALIGNED || (dst[i] % F::RUN_BYTES) < (int)(a & 15) + F::BLOCK_BYTES;
-                if (dst[i] >= 0 && in_run)
-                    cp_async16(stage + dst[i], reinterpret_cast<const void*>(a & ~size_t(15)), true);
-            }
+            for (int i = 0; i < COPIES; ++i)
+                if (dst[i] >= 0) cp_async16(stage + dst[i], src[i] + step, true);
         }
         cp_async_commit();  // empty past the share: every iteration waits on the same group count
     };
-    const unsigned char* lane_rows[TILES][2];  // the lane's rows g, g + 8 of each tile, where their blocks start
-#pragma unroll
-    for (int i = 0; i < TILES; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) lane_rows[i][r] = row(16 * i + 8 * r + g);
     const XCols<NT> x(X, K);
     float acc[TILES][NT][4] = {};
 #pragma unroll
@@ -284,15 +197,11 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
         __syncwarp();  // every lane's copies of s have landed; every lane is done with s - 1's stage
         issue(s + STAGES - 1);
         const unsigned char* const stage = stages + (s - s0) % STAGES * STAGE;
-        const unsigned char* blk[TILES][2];
+        const unsigned char* blk[TILES][2];  // the lane's rows g, g + 8 of each tile
 #pragma unroll
         for (int i = 0; i < TILES; ++i)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const size_t at = reinterpret_cast<size_t>(lane_rows[i][r]) + (size_t)s * F::BLOCK_BYTES;
-                const int offset = F::ALIGNED ? 0 : at & 15;
-                blk[i][r] = stage + (16 * i + 8 * r + g) * F::RUN_BYTES + offset;
-            }
+            for (int r = 0; r < 2; ++r) blk[i][r] = stage + (16 * i + 8 * r + g) * F::BLOCK_BYTES;
         F::template superblock<TILES, NT>(blk, (size_t)s * 256, x, acc);
     }
 #pragma unroll

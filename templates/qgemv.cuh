@@ -21,7 +21,7 @@
 // of the GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16
 // (8-value pieces, 256-value slices) the lanes sum in gemv_bf16's order.
 //
-// W must be 16-byte aligned; rows of formats whose blocks are not 16-byte multiples (Q8_0, Q4_0, Q6_K) start on
+// W must be 16-byte aligned; rows of formats whose blocks are not 16-byte multiples (Q8_0, Q4_0) start on
 // 2-byte boundaries: F::load reads them with aligned words (quant.cuh) at most to the next 4-byte boundary past the
 // row's last byte, and the ring copies a slice widened to the 16-byte words around it (up to 15 bytes of the
 // neighbouring rows, from L2), so W must be readable to the next 16-byte boundary after its last byte.
@@ -36,7 +36,7 @@ namespace lucegen {
 // slices per item, STAGES items in a warp's shared-memory ring (0: no ring).
 template <class F, int K, int MT, int ROWS, int SPAN, int STAGES, int THREADS>
 struct QGemm {
-    static_assert(K % F::BLOCK_VALUES == 0, "rows must be whole blocks of the format");
+    static_assert(K % F::ROW_VALUES == 0, "rows must be whole GGUF blocks of the format");
     static_assert(THREADS % 32 == 0 && SPAN >= 1 && ROWS >= 1, "whole warps");
     static_assert(STAGES == 0 || STAGES >= 2, "a ring holds the item being multiplied and at least one ahead");
     static constexpr int WARPS = THREADS / 32, G = WARPS * ROWS;  // rows per block
@@ -45,9 +45,9 @@ struct QGemm {
     static constexpr int SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::BLOCK_BYTES;
     static constexpr int SLICES = (K + SLICE_VALUES - 1) / SLICE_VALUES;
     static constexpr int ITEMS = (SLICES + SPAN - 1) / SPAN;
-    static constexpr long long ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    static constexpr long long ROW_BYTES = row_bytes<F>(K);
     static constexpr int X_SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::XB;  // activations of a slice
-    static constexpr long long X_ROW_BYTES = (long long)K / F::BLOCK_VALUES * F::XB;
+    static constexpr long long X_ROW_BYTES = (long long)K * F::XB / F::BLOCK_VALUES;
     // A row's slice in the ring: as is (16-byte aligned formats), or widened to 16-byte words from a start that is
     // 2-byte aligned (at most 14 bytes before it).
     static constexpr int SLOT = F::ALIGNED16 ? SLICE_BYTES : (SLICE_BYTES + 14 + 15) / 16 * 16;
@@ -79,7 +79,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const auto whole = [&](int s) { return K % SV == 0 || live(s); };  // block(s) == b, for s < SLICES
     const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
     const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
-    const auto slice_bytes = [](int s) { return min(SV, K - s * SV) / F::BLOCK_VALUES * F::BLOCK_BYTES; };
+    const auto slice_bytes = [](int s) { return static_cast<int>(row_bytes<F>(min(SV, K - s * SV))); };
 
     // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u); copied widened to 16-byte words.
     unsigned char* ring = smem + warp * (STAGES * Q::ITEM_BYTES);
@@ -276,7 +276,8 @@ __device__ void qgemv_bulk(const unsigned char* __restrict__ W, const unsigned c
 // The GEMM on int8 tensor cores (formats with F::MMA), giving qgemm's bits. Lane l of qgemm sums, slice by slice,
 // the terms of its class of pieces (piece l of every slice: block l / PIECES of the slice, piece l % PIECES of it);
 // here a block takes TILES x 16 rows and MT activation rows (a multiple of 8), and warp w the classes 4w .. 4w+3 of
-// all of them (8 warps: the 32 classes; with 8 pieces a block, one block of each slice). For each of its pieces, row
+// all of them (8 warps: the 32 classes; a warp's are a quad of its block's pieces: with 8 pieces a block, warps
+// 2b, 2b + 1 take block b of each slice, with 16 (Q6_K's pairs) warps 4b .. 4b+3). For each of its pieces, row
 // tile and 8 activation rows one mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over
 // half the piece's values, for F::SPLIT), then F::term scales it in fp32 into the class's sum, as qgemm's
 // lane does. At the end the 32 class sums of each output meet in shared memory and are added in warp_sum's
@@ -295,7 +296,7 @@ __device__ void qgemv_bulk(const unsigned char* __restrict__ W, const unsigned c
 // M-tile's n-tiles of 8 past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
-    static_assert(F::MMA && F::PIECES == 8 && THREADS == 256, "8 warps take the 32 classes of 8-piece blocks");
+    static_assert(F::MMA && F::PIECES % 4 == 0 && THREADS == 256, "8 warps take the 32 classes, in quads of pieces");
     static_assert(MT % 8 == 0, "activation rows in mma tiles of 8");
     static_assert(TILES == 1 || TILES == 2, "one or two row tiles of 16");
     static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
@@ -323,7 +324,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                           float* __restrict__ y, int N, int M, unsigned char* smem, int ldy) {
     using R = QGemmMma<F, K, MT, TILES, STAGES, THREADS>;
     using Q = typename R::Q;
-    constexpr int NT = MT / 8, BLOCKS = K / F::BLOCK_VALUES, PIECE_XB = F::XB / F::PIECES;
+    constexpr int NT = MT / 8, PV = Q::PIECE_VALUES, PIECE_XB = F::XB / F::PIECES;
     const int mtiles = (M + MT - 1) / MT;
     const int m0 = (blockIdx.x % mtiles) * MT, r0 = (blockIdx.x / mtiles) * R::ROWS;
     const int nts = min(NT, (M - m0 + 7) / 8);  // the n-tiles holding activation rows
@@ -418,8 +419,9 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][c][nt][e] = 0.f;
-    const int q = warp % 2;
-    const int wb = warp / 2;  // the warp's block in every slice
+    constexpr int QUADS = F::PIECES / 4;  // a block's
+    const int q = warp % QUADS;
+    const int wb = warp / QUADS;  // the warp's block in every slice
     int skew[TILES][2];       // where the lane's rows 16 tile + g + 8i start, mod 16
 #pragma unroll
     for (int tile = 0; tile < TILES; ++tile)
@@ -433,8 +435,9 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         landed(s);              // slice s is in its stage ...
         __syncthreads();        // ... for every thread; every warp is done with slice s - 1's stage
         issue(s + STAGES - 1);  // into that stage
-        if (s * (32 / F::PIECES) + wb >= BLOCKS) continue;  // a partial last slice without this warp's block:
-                                                            // qgemm's lanes skip it too
+        if (s * Q::SLICE_VALUES + (wb * F::PIECES + 4 * q) * PV >= K) continue;  // a partial last slice without
+                                                                                 // this warp's pieces: qgemm's lanes
+                                                                                 // skip them too
         const unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
         typename F::MmaRaw raw[TILES][2];
 #pragma unroll
@@ -527,13 +530,13 @@ __device__ inline void quantize_x(const float* __restrict__ x, XBlock* __restric
 // out [N, K] fp32 = the values of W's rows (the decode of quant.cuh, alone): one piece per thread, grid-stride.
 template <class F>
 __device__ void qdequant(const unsigned char* __restrict__ W, float* __restrict__ out, int N, int K) {
-    const int pieces = K / F::BLOCK_VALUES * F::PIECES;
-    const long long row_bytes = (long long)K / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    const int pieces = K / (F::BLOCK_VALUES / F::PIECES);
+    const long long row = row_bytes<F>(K);
     for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < (long long)N * pieces;
          t += (long long)gridDim.x * blockDim.x) {
         const long long n = t / pieces;
         const int b = static_cast<int>(t % pieces) / F::PIECES, p = static_cast<int>(t % pieces) % F::PIECES;
-        const auto pc = F::load(W + n * row_bytes + (long long)b * F::BLOCK_BYTES, p);
+        const auto pc = F::load(W + n * row + (long long)b * F::BLOCK_BYTES, p);
 #pragma unroll
         for (int r = 0; r < F::RUNS; ++r) {
             float w[8];

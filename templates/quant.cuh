@@ -1,9 +1,11 @@
 // quant.cuh: GGUF weight blocks decoded to fp32, bit-equal to lucegen/model/quants.py (and the gguf package).
 //
-// The block layouts are the ones in quants.py's docstring. Every format is read in *pieces*: a piece is what one
+// The block layouts are the ones in quants.py's docstring, but Q6_K's: the GPU holds its blocks repacked in pairs
+// (lucegen/kernels/repack.py, FmtQ6_K below). Every format is read in *pieces*: a piece is what one
 // lane decodes at once, RUNS runs of 8 consecutive values of one block (the piece's bytes, its scales). A format F
 // gives
 //   F::BLOCK_VALUES, F::BLOCK_BYTES, F::PIECES (pieces per block), F::RUNS (runs per piece),
+//   F::ROW_VALUES       rows are a multiple of this many values (BLOCK_VALUES, or a half pair: row_bytes below),
 //   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
 //   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
 //   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
@@ -90,19 +92,6 @@ __device__ __forceinline__ void load_words_a2(const unsigned char* p, unsigned (
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const unsigned hi = (i + 1 < N || shift) ? word(i + 1) : 0u;
-        w[i] = __funnelshift_r(lo, hi, shift);
-        lo = hi;
-    }
-}
-
-// N little-endian 32-bit words of bits from 4-byte aligned words a[0 .. N]: word i = bits `shift` .. shift + 31 of
-// a[i + 1] : a[i] (shift <= 31).
-template <int N>
-__device__ __forceinline__ void funnel_words(const unsigned* a, unsigned shift, unsigned (&w)[N]) {
-    unsigned lo = a[0];
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const unsigned hi = a[i + 1];
         w[i] = __funnelshift_r(lo, hi, shift);
         lo = hi;
     }
@@ -235,9 +224,16 @@ struct BlockLane {
     int p;
 };
 
+// The bytes of a row of K values (K a multiple of F::ROW_VALUES): whole blocks, the last one half filled where a row
+// of Q6_K holds an odd number of GGUF blocks (its pieces past K read zeros, and the products skip them).
+template <class F>
+__host__ __device__ constexpr long long row_bytes(long long K) {
+    return (K + F::BLOCK_VALUES - 1) / F::BLOCK_VALUES * F::BLOCK_BYTES;
+}
+
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
-    static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1;
+    static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = true;
     __host__ __device__ static constexpr int voff(int, int) { return 0; }
     using Lane = BlockLane;
@@ -266,7 +262,7 @@ struct FmtBf16 {
 
 // ---- Q8_0: [0:2] d | [2:34] int8 qs[32]; x[j] = d * qs[j]. One piece per block, run r = values 8r .. 8r+7 ------
 struct FmtQ8_0 {
-    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4;
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = false;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     using Lane = BlockLane;
@@ -298,7 +294,7 @@ struct FmtQ8_0 {
 // ---- Q4_0: [0:2] d | [2:18] qs[16]; x[j] = d * ((qs[j] & 0xF) - 8), x[j+16] = d * ((qs[j] >> 4) - 8) --------
 // One piece per block; run r: the low (r < 2) or high nibbles of bytes 8(r%2) .. 8(r%2)+7 = values 8r .. 8r+7.
 struct FmtQ4_0 {
-    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4;
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = false;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     using Lane = BlockLane;
@@ -349,7 +345,7 @@ __device__ __forceinline__ unsigned scale_min_k4(int j, const uint4& h) {
 
 template <bool Q5>
 struct FmtK4 {
-    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4;
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4, ROW_VALUES = 256;
     static constexpr bool ALIGNED16 = true;
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
@@ -450,63 +446,52 @@ struct FmtK4 {
 using FmtQ4_K = FmtK4<false>;
 using FmtQ5_K = FmtK4<true>;
 
-// ---- Q6_K: [0:128] ql | [128:192] qh | [192:208] int8 scales[16] | [208:210] d -------------------------------
-// Piece p (8 per block) = values 32p .. 32p+31: half h = p/4, k = p%4, positions l = 0..31 of the low (k < 2) or high
-// nibbles of ql[64h + 32(k%2) + l] and bits 2k, 2k+1 of qh[32h + l]; scales 8h + 2k (l < 16) and 8h + 2k + 1;
-// x = fl(d*sc) * (q - 32). Run r = values 32p + 8r .. +7 (scale r / 2 of the piece).
+// ---- Q6_K, as the GPU holds it: pairs of blocks, repacked at load (lucegen/kernels/repack.py) ---------------------
+// A pair (512 values, 432 bytes, 16-byte aligned): [0:208] block A's body | [208:416] B's | [416:418] A's d |
+// [418:420] B's d | zero. A body holds its block's 8 pieces p of 32 values (q in 0 .. 63): [16p, +16) their low 4 bits,
+// [128 + 8p, +8) their high 2 bits, [192, 208) the 16 int8 scales as stored. Piece P of the pair (16) is piece P % 8
+// of block P / 8: values 32P .. 32P+31, x = fl(d*sc) * (q - 32), scales 2 (P % 8) and + 1 (the piece's halves).
+// Its word w of 4 values (a byte each): nibble word w % 4's low (w < 4) or high (w >= 4) nibbles, and bits 2v, 2v + 1
+// (v = w % 2 + 2 (w / 4)) of high-bit word (w % 4) / 2 moved to bits 4, 5. Run r = values 32P + 8r .. +7 (words 2r,
+// 2r + 1; scale r / 2 of the piece).
 struct FmtQ6_K {
-    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, PIECES = 8, RUNS = 4;
-    static constexpr bool ALIGNED16 = false;
+    static constexpr int BLOCK_VALUES = 512, BLOCK_BYTES = 432, PIECES = 16, RUNS = 4, ROW_VALUES = 256;
+    static constexpr bool ALIGNED16 = true;
+    static constexpr int BODY = 208, D = 416;  // a block's body, the d's
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {
         unsigned q[8];  // q in 0 .. 63, one per byte (the offset of 32 is subtracted in the products and the decode)
         int sc[2];      // the two scales
         float d;
     };
-    // Where a lane finds piece p in its blocks (they all lie at the same address mod 4; m = that & 2). Each byte of
-    // q is one LOP3 of two words loaded already shifted into place (funnel_words): ql's nibble to bits 0-3, qh's two
-    // bits to bits 4-5. So the words start from the 4-byte aligned ones around bit 4 (k / 2) of ql[64h + 32 (k % 2)]
-    // and bit 2k - 4 of qh[32h] (for k < 2: bit 4 + 2k of the byte before), all inside the block.
-    struct Lane {
-        const unsigned *ql, *qh;  // the first aligned words
-        unsigned sql, sqh;        // the shifts (<= 31)
-        const unsigned short *sc, *d;
-    };
-    __device__ static Lane lane(const unsigned char* block, int p) {
-        const int h = p / 4, k = p % 4, m = static_cast<int>(reinterpret_cast<size_t>(block) & 2u);
-        const int lbit = 8 * (64 * h + 32 * (k % 2) + m) + 4 * (k / 2), hbit = 8 * (128 + 32 * h + m) + 2 * k - 4;
-        // (d = block + 208 made from a as well: so typed, the compiler keeps every pointer whole in registers across
-        // qgemv's loop, instead of adding the kernel's W to it again for each load)
-        const unsigned* a = reinterpret_cast<const unsigned*>(block - m);
-        const unsigned short* hw = reinterpret_cast<const unsigned short*>(block);
-        return {a + lbit / 32, a + hbit / 32, static_cast<unsigned>(lbit % 32), static_cast<unsigned>(hbit % 32),
-                hw + 96 + 4 * h + k, reinterpret_cast<const unsigned short*>(a) + (208 + m) / 2};
+    using Lane = BlockLane;
+    __device__ static Lane lane(const unsigned char* pair, int p) { return {pair, p}; }
+    // bits 2v, 2v + 1 of each byte of a high-bit word, at bits 4, 5
+    __device__ static unsigned high_bits(unsigned h, int v) {
+        return (v < 2 ? h << (4 - 2 * v) : h >> (2 * v - 4)) & 0x30303030u;
     }
-    // load: the piece of the block delta bytes past ln's (a multiple of 4: the same address mod 4).
-    template <class T>
-    __device__ static const T* past(const T* q, long long delta) {
-        return reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(q) + delta);
-    }
-    __device__ static Piece load(const Lane& ln, long long delta) {
+    __device__ static Piece load(const unsigned char* pair, int p) {
         Piece pc;
-        unsigned ql[8], qh[8];
-        funnel_words<8>(past(ln.ql, delta), ln.sql, ql);
-        funnel_words<8>(past(ln.qh, delta), ln.sqh, qh);
+        const unsigned char* body = pair + BODY * (p / 8);
+        const uint4 n = *reinterpret_cast<const uint4*>(body + 16 * (p % 8));
+        const uint2 h = *reinterpret_cast<const uint2*>(body + 128 + 8 * (p % 8));
+        const unsigned nw[4] = {n.x, n.y, n.z, n.w}, hw[2] = {h.x, h.y};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) pc.q[i] = (ql[i] & 0x0F0F0F0Fu) | (qh[i] & 0x30303030u);
-        const signed char* sc = reinterpret_cast<const signed char*>(past(ln.sc, delta));  // two loads, no unpacking
-        pc.sc[0] = sc[0];
-        pc.sc[1] = sc[1];
-        pc.d = half_to_float(*past(ln.d, delta));
+        for (int w = 0; w < 8; ++w)
+            pc.q[w] = ((w < 4 ? nw[w] : nw[w - 4] >> 4) & 0x0F0F0F0Fu) | high_bits(hw[w % 4 / 2], w % 2 + 2 * (w / 4));
+        const unsigned sc = *reinterpret_cast<const unsigned short*>(body + 192 + 2 * (p % 8));
+        pc.sc[0] = static_cast<signed char>(sc & 0xFFu);
+        pc.sc[1] = static_cast<signed char>(sc >> 8);
+        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(pair + D + 2 * (p / 8)));
         return pc;
     }
-    __device__ static Piece load(const unsigned char* block, int p) { return load(lane(block, p), 0); }
+    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const float ds = __fmul_rn(pc.d, static_cast<float>(pc.sc[r / 2]));  // exact conversion: |sc| <= 128
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(ds, byte_minus(pc.q[2 * r + i / 4], i % 4, MAGIC_U_VALUE + 32.f));
     }
-    static constexpr int XB = 8 * sizeof(XBlock);
+    static constexpr int XB = 16 * sizeof(XBlock);
     struct Scale {
         int sc[2];
         float d;
@@ -526,36 +511,33 @@ struct FmtQ6_K {
         return term(acc, {{pc.sc[0], pc.sc[1]}, pc.d}, dot_words(lo, x.quad(0)), dot_words(hi, x.quad(1)),
                     x.meta());
     }
-    // Tensor cores: value 4t + i of piece p (half h, k as above) is ql[64h + 32 (k % 2) + 4t + i]'s nibble k / 2 and
-    // bits 2k, 2k + 1 of qh[32h + 4t + i]. Quad q = half h: the words at 4t and 16 + 4t of ql bytes 64h .. 64h+63
-    // and qh bytes 32h .. 32h+31, the half's 8 scales and d; the block is 2-byte aligned, so 16-bit loads.
+    // Tensor cores: lane t takes values 4t .. 4t+3 (word t) and 16 + 4t .. 16 + 4t+3 (word 4 + t) of a piece: nibble
+    // word t and high-bit word t / 2 (bit pairs t % 2 and 2 + t % 2). Quad q (pieces 4q .. 4q+3 of the pair: block
+    // q / 2, its pieces 4 (q % 2) ..): those two words of each, its 8 scales (two words) and the block's d.
     static constexpr bool MMA = true;
     struct MmaRaw {
-        unsigned ql[4], qh[2], sc[2];  // ql[2j], ql[2j + 1]: k % 2 = j, values 4t.. and 16 + 4t..
+        unsigned n[4], h[4], sc[2];  // piece 4q + c's nibble word, its high-bit word shifted down by 2 (t % 2)
         unsigned short d;
     };
-    // (two 16-bit loads: load_words_a2's funnel shift costs qgemm_mma 8 bytes of spills at an M-tile of 8)
-    __device__ static unsigned word_a2(const unsigned char* q) {
-        const unsigned short* h = reinterpret_cast<const unsigned short*>(q);
-        return h[0] | (static_cast<unsigned>(h[1]) << 16);
-    }
-    __device__ static MmaRaw mma_raw(const unsigned char* block, int q, int t) {
+    __device__ static MmaRaw mma_raw(const unsigned char* pair, int q, int t) {
         MmaRaw r;
+        const unsigned char* body = pair + BODY * (q / 2);
+        const int p0 = 4 * (q % 2);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r.ql[i] = word_a2(block + 64 * q + 16 * i + 4 * t);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            r.qh[i] = word_a2(block + 128 + 32 * q + 16 * i + 4 * t);
-            r.sc[i] = word_a2(block + 192 + 8 * q + 4 * i);
+        for (int c = 0; c < 4; ++c) {
+            r.n[c] = *reinterpret_cast<const unsigned*>(body + 16 * (p0 + c) + 4 * t);
+            r.h[c] = *reinterpret_cast<const unsigned*>(body + 128 + 8 * (p0 + c) + 4 * (t / 2)) >> (2 * (t % 2));
         }
-        r.d = *reinterpret_cast<const unsigned short*>(block + 208);
+        const uint2 sc = *reinterpret_cast<const uint2*>(body + 192 + 2 * p0);
+        r.sc[0] = sc.x;
+        r.sc[1] = sc.y;
+        r.d = *reinterpret_cast<const unsigned short*>(pair + D + 2 * (q / 2));
         return r;
     }
-    __device__ static void mma_piece(const MmaRaw& r, int, int k, int, unsigned& lo, unsigned& hi, Scale& sc) {
-        const unsigned shift = 4 * (k / 2);
-        lo = ((r.ql[2 * (k % 2)] >> shift) & 0x0F0F0F0Fu) | (((r.qh[0] >> (2 * k)) & 0x03030303u) << 4);
-        hi = ((r.ql[2 * (k % 2) + 1] >> shift) & 0x0F0F0F0Fu) | (((r.qh[1] >> (2 * k)) & 0x03030303u) << 4);
-        const unsigned pair = r.sc[k / 2] >> (16 * (k % 2));  // scales 2k, 2k + 1 of the half
+    __device__ static void mma_piece(const MmaRaw& r, int, int c, int, unsigned& lo, unsigned& hi, Scale& sc) {
+        lo = (r.n[c] & 0x0F0F0F0Fu) | ((r.h[c] << 4) & 0x30303030u);
+        hi = ((r.n[c] >> 4) & 0x0F0F0F0Fu) | (r.h[c] & 0x30303030u);
+        const unsigned pair = r.sc[c / 2] >> (16 * (c % 2));  // scales 2c, 2c + 1 of the quad's 8
         sc = {{static_cast<signed char>(pair & 0xFFu), static_cast<signed char>((pair >> 8) & 0xFFu)}, half_to_float(r.d)};
     }
 };

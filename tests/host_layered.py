@@ -71,9 +71,9 @@ def matrix(w: HostArray, fmt: str, n: int, k: int) -> np.ndarray:
     """The float values of the first n rows of K = k of a weight buffer (weights are written once: cached)."""
     key = (id(w.buf), w.offset, fmt, n, k)
     if key not in _MATRICES:
-        row = fmt_of(fmt).row_bytes(k)
-        raw = w.a.reshape(-1)[:n * row].reshape(n, row)
-        _MATRICES[key] = (w.buf, dequantize(raw, fmt_of(fmt).ggml).astype(np.float32))
+        f = fmt_of(fmt)
+        rows = w.a.reshape(-1)[:n * f.row_bytes(k)].reshape(n, -1)
+        _MATRICES[key] = (w.buf, dequantize(f.gguf_rows(rows, k), f.ggml).astype(np.float32))
     return _MATRICES[key][1]
 
 

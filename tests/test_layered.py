@@ -76,7 +76,7 @@ def test_fuse_joins_runs_of_one_format():
 def test_random_rows_decode_to_finite_values(fmt):
     rows = random_rows(fmt, 40, 512, np.random.default_rng(0), {})
     f = qgemv.fmt_of(fmt)
-    assert rows.shape == (40, f.row_bytes(512)) and rows.dtype == np.uint8
+    assert rows.shape == (40, f.gguf_row_bytes(512)) and rows.dtype == np.uint8
     w = dequantize(rows, f.ggml)
     assert np.isfinite(w).all() and w.std() > 0
 

@@ -24,13 +24,13 @@ def exact(raw: np.ndarray, fmt: str) -> np.ndarray:
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
 @pytest.mark.parametrize("seed", range(4))
 def test_fp16_weights_are_the_dequantised_weights_rounded_to_fp16(fmt, seed):
-    """The kernel's fp16 weights: within fp16's rounding of the scale (and Q4_K's bias) and of the result (3 x 2^-11
-    of the scale group's largest magnitude) of gguf's fp32 dequantisation. A nibble, bit, scale or bias taken from the
+    """The kernel's fp16 weights: within fp16's rounding of the scale and bias and of the result (3 x 2^-11 of the
+    scale group's largest magnitude) of gguf's fp32 dequantisation. A nibble, bit, scale or bias taken from the
     wrong place is a whole quantisation step or more."""
     raw = rows(fmt, 16, 512, seed)
     want = exact(raw, fmt)
     got = qgemm_tc.dequantize_fp16(raw, fmt).astype(np.float32)
-    group = 32 if fmt == "q4_k" else 16
+    group = 32  # Q4_K's scale groups
     top = np.abs(want).reshape(16, -1, group).max(axis=2, keepdims=True)
     assert (np.abs(got - want).reshape(16, -1, group) <= 3 * 2.0**-11 * top + 1e-30).all()
 
@@ -65,7 +65,8 @@ def test_rows_past_the_fp16_range_are_scaled_by_a_power_of_two_into_it():
 def test_shape_problem_names_the_shape_and_the_format():
     assert "104 x 500" in qgemm_tc.shape_problem("q4_k", 104, 500)
     assert "not q8_0" in qgemm_tc.shape_problem("q8_0", 5120, 5120)
-    assert qgemm_tc.shape_problem("q6_k", 5120, 17408) is None
+    assert qgemm_tc.shape_problem("q4_k", 5120, 17408) is None
+    assert "takes q4_k, not q6_k" in qgemm_tc.shape_problem("q6_k", 5120, 17408)  # dropped (spec.py)
 
 
 @pytest.mark.parametrize("spec_name", list_specs())
@@ -119,27 +120,6 @@ def _q4k_lane(blk: np.ndarray, t: int):
     return out
 
 
-def _q6k_lane(blk: np.ndarray, t: int):
-    """The same for Q6_K (TcQ6K::superblock)."""
-    from lucegen.model.quants import _half
-    d = _half(blk[None, 208:210])[0]
-    sc = blk[192:208].view(np.int8)
-    out = []
-    for hh in range(2):
-        for run in range(4):
-            for i in range(2):
-                grp = 8 * hh + 2 * run + i
-                scale = _f16(np.float32(d) * np.float32(sc[grp]))
-                ql = _words(blk, 64 * hh + 32 * (run % 2) + 16 * i + 4 * t) >> (4 * (run // 2))
-                qh = _words(blk, 128 + 32 * hh + 16 * i + 4 * t)
-                qh = (qh << (4 - 2 * run) if run < 2 else qh >> (2 * run - 4)) & 0x30303030
-                q = (ql & 0x0F0F0F0F) | qh
-                byte = [(q >> (8 * e)) & 0xFF for e in range(4)]
-                val = lambda e: _f16((np.array([byte[e], byte[e + 2]], np.float64) - 32) * np.float64(scale))
-                out.append((128 * hh + 32 * run + 16 * i + 4 * t, val(0), val(1)))
-    return out
-
-
 def lanes_model(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     """Y [M, N] as the kernel computes it, in float64 per mma (the tensor core's own sum order aside)."""
     n, m = raw.shape[0], x.shape[0]
@@ -149,7 +129,6 @@ def lanes_model(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     xs = np.zeros((tokens, k), np.float16)
     xs[:m] = x.astype(np.float16)
     xs = _x_slots(xs)
-    lane_fn = _q4k_lane if fmt == "q4_k" else _q6k_lane
     y = np.zeros((m, n))
     for n0 in range(0, n, qgemm_tc.ROWS):
         parts = []
@@ -161,7 +140,7 @@ def lanes_model(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
                     for t in range(4):
                         for r in range(2):  # the lane's rows g and g + 8
                             row = raw[n0 + g + 8 * r].reshape(blocks, bb)[s]
-                            per_lane[g, t, r] = lane_fn(row, t)
+                            per_lane[g, t, r] = _q4k_lane(row, t)
                 for j in range(len(per_lane[0, 0, 0])):  # the j-th mma of the super-block, the same in every lane
                     a = np.zeros((16, 16))
                     bmat = np.zeros((16, tokens))

@@ -30,7 +30,7 @@ def draw_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     f = qgemv.fmt_of(fmt)
     if seed % 2 or fmt == "bf16":
         return qgemv.encode(rng.standard_normal((n, k), dtype=np.float32) * 10 ** rng.uniform(-2, 2), fmt)
-    return random_raw(f.ggml, n, k // f.block_values, seed)
+    return random_raw(f.ggml, n, k // f.row_step, seed)
 
 
 @pytest.mark.parametrize("spec_name", list_specs())
@@ -63,8 +63,10 @@ def test_a_k_that_is_not_whole_blocks_is_refused_when_rendering():
 
 def test_formats_match_the_gguf_block_layouts():
     for f in qgemv.FORMATS.values():
-        if f.name != "bf16":
-            assert quants.block_shape(f.ggml) == (f.block_values, f.block_bytes)
+        if f.name == "q6_k":  # pairs of GGUF blocks (kernels/repack.py): 2 x 208 bytes of bodies, 2 d's, padding
+            assert (f.block_values, f.block_bytes, f.row_step) == (512, 432, 256)
+        elif f.name != "bf16":
+            assert quants.block_shape(f.ggml) == (f.block_values, f.block_bytes) and f.row_step == f.block_values
         assert f.slice_values % f.block_values == 0 and f.slot_bytes % 16 == 0
         assert f.aligned16 == (f.block_bytes % 16 == 0)
 
@@ -94,7 +96,7 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
         spec = load_spec(name)
         q = spec.tuning.qgemv
         for f in qgemv.FORMATS.values():
-            if k % f.block_values:
+            if k % f.row_step:
                 continue
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
@@ -238,7 +240,7 @@ def test_the_gemms_take_y_rows_ldy_apart_and_the_gemv_refuses_them(monkeypatch):
 @given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 5), blocks=st.integers(1, 6),
        m=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
 def test_reference_is_dequantize_then_matmul(fmt, n, blocks, m, seed):
-    k = blocks * qgemv.fmt_of(fmt).block_values
+    k = blocks * qgemv.fmt_of(fmt).row_step
     raw = draw_rows(fmt, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32)
     w = gguf_quants.dequantize(raw, qgemv.fmt_of(fmt).ggml).astype(np.float64)
@@ -259,6 +261,7 @@ HOST_SHIM = r"""
 #define __host__
 #define __forceinline__ inline
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
 struct alignas(16) int4 { int x, y, z, w; };
 struct alignas(8) int2 { int x, y; };
@@ -370,8 +373,8 @@ int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 // pieces], its bytes loaded as qgemv's loop does (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on
 // the floats of `in` (offset 0), or quantize_xblock_lanes, 4 XBlocks a warp of host threads (offset 1).
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
-    const int pieces = k / F::BLOCK_VALUES * F::PIECES;
-    const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    const int pieces = k / (F::BLOCK_VALUES / F::PIECES);
+    const long row = row_bytes<F>(k);
     for (long r = 0; r < n; ++r)
         for (int t = 0; t < pieces; ++t) {
             const int b = t / F::PIECES, p = t % F::PIECES;
@@ -385,8 +388,8 @@ template <class F> void dequant(const unsigned char* w, float* out, long n, int 
 }
 #ifdef DOT
 template <class F> long dot(const unsigned char* w, const unsigned char* xb, float* out, long n, int k) {
-    const int pieces = k / F::BLOCK_VALUES * F::PIECES;
-    const long row = static_cast<long>(k) / F::BLOCK_VALUES * F::BLOCK_BYTES;
+    const int pieces = k / (F::BLOCK_VALUES / F::PIECES);
+    const long row = row_bytes<F>(k);
     for (long r = 0; r < n; ++r) {
         float acc = 0.f;
         for (int t = 0; t < pieces; ++t) {
@@ -482,7 +485,8 @@ def host_decoder(directory, header: str, cls: str, products: bool = False):
 
 
 def host_decode(exe, raw: np.ndarray, k: int, offset: int, directory) -> np.ndarray:
-    """Rows of bytes through a host decoder, placed `offset` bytes past a 16-byte boundary: float32 [rows, k]."""
+    """Rows of bytes (as the GPU holds them: Format.device_rows) through a host decoder, placed `offset` bytes past a
+    16-byte boundary: float32 [rows, k]."""
     raw.tofile(directory / "in.bin")
     subprocess.run([str(exe), str(len(raw)), str(k), str(offset), str(directory / "in.bin"), str(directory / "out.bin")],
                    check=True)
@@ -503,9 +507,9 @@ def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt
     f = qgemv.fmt_of(fmt)
     if f.aligned16:
         offset = 0  # these formats' rows always start on 16-byte boundaries
-    k = blocks * (256 if fmt == "bf16" else f.block_values)
+    k = blocks * (256 if fmt == "bf16" else f.row_step)
     raw = draw_rows(fmt, n, k, seed)
-    ours = host_decode(host_decoders[fmt], raw, k, offset, tmp_path_factory.mktemp("io"))
+    ours = host_decode(host_decoders[fmt], f.device_rows(raw), k, offset, tmp_path_factory.mktemp("io"))
     theirs = gguf_quants.dequantize(raw, f.ggml)
     np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
@@ -558,10 +562,10 @@ def test_device_products_are_bit_equal_to_numpy(host_decoders, tmp_path_factory,
     f = qgemv.fmt_of(fmt)
     if f.aligned16:
         offset = 0
-    k = blocks * f.block_values
+    k = blocks * f.row_step
     raw, x = draw_rows(fmt, n, k, seed), draw_x(1, k, seed + 1)
     d = tmp_path_factory.mktemp("dot")
-    raw.tofile(d / "in.bin")
+    f.device_rows(raw).tofile(d / "in.bin")
     qgemv.xblocks(x).tofile(d / "x.bin")
     subprocess.run([str(host_decoders[fmt]), str(n), str(k), str(offset), str(d / "in.bin"), str(d / "out.bin"),
                     str(d / "x.bin")], check=True)
@@ -577,7 +581,7 @@ def test_device_products_are_bit_equal_to_numpy(host_decoders, tmp_path_factory,
 @given(fmt=st.sampled_from([f for f in sorted(qgemv.FORMATS) if f != "bf16"]), n=st.integers(1, 8),
        blocks=st.integers(1, 6), m=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_quantized_products_stay_within_the_quantization_bound(fmt, n, blocks, m, seed):
-    k = blocks * qgemv.fmt_of(fmt).block_values
+    k = blocks * qgemv.fmt_of(fmt).row_step
     raw, x = draw_rows(fmt, n, k, seed), draw_x(m, k, seed + 1)
     exact = qgemv.reference(raw, fmt, x)
     ours = qgemv.emulate(raw, fmt, x).astype(np.float64)

@@ -130,7 +130,8 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"bulk_stages": 3, "bulk_blocks": 0}), "tuning.qgemv", "bulk_blocks 0 between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
     (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),
-    (_set("tuning.qgemv", {"tensor_core_formats": ["q5_k"]}), "tuning.qgemv.tensor_core_formats", "takes q4_k, q6_k"),
+    (_set("tuning.qgemv", {"tensor_core_formats": ["q6_k"]}), "tuning.qgemv.tensor_core_formats",
+     "q6_k: the tensor-core kernel takes q4_k"),
     (_set("tuning.ddtree", {"budget": 8, "max_budget": 6}), "tuning.ddtree.max_budget", "between the budget (8)"),
 ])
 def test_bad_spec_names_file_key_and_reason(tmp_path, mutate, key, reason):
@@ -188,6 +189,7 @@ def test_bulk_qgemv_needs_hopper(tmp_path):
         d["tuning"]["gemv"]["method"] = "ldg"
         d["tuning"]["layered"]["pdl"] = False
         d["tuning"]["prefill"]["model_pdl"] = []
+        d["tuning"]["qgemv"]["bulk_stages"] = 3
     with pytest.raises(SpecError, match=r"tuning.qgemv.bulk_stages: bulk copies need sm_90"):
         load_spec(_write(tmp_path, mutate))
 

@@ -14,7 +14,7 @@ against the exact product in float64 on normal activations.
 Records: qgemv_bw_frac (the fraction of the read ceiling; achieved GB/s and us per call beside it), model
 "<format> <N>x<K> M=<M>"; qgemv_time_vs_m1 (time per call over the M = 1 call's, M > 1); qgemv_rel_err per format
 and shape (M = 1); cublas_bf16_us for the peer. The batch-invariant tensor-core kernels (kernels/qgemm_tc.py, one
-kernel for every M; Q4_K and Q6_K) are timed the same way on the same shapes at TC_MS: qgemm_tc_bw_frac, their X
+kernel for every M; Q4_K) are timed the same way on the same shapes at TC_MS: qgemm_tc_bw_frac, their X
 converted to fp16 beforehand as the quantized formats' XBlocks are.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def tensor_cores(rec: Recorder, spec, read_gbs: float, stream: Stream, rng: np.r
     for fmt, (label, (n, k)) in ((f, shape) for f in qgemm_tc.TENSOR_CORE_FORMATS for shape in SHAPES.items()):
         op = qgemm_tc.QGemmTC(module, spec, fmt, max(TC_MS), k)
         raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
-        ws = _weights(raw, info.l2_bytes)
+        ws = _weights(raw, fmt, info.l2_bytes)
         for m in TC_MS:
             x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
             y = DeviceArray.empty((m, n), np.float32)
@@ -81,9 +81,9 @@ def tensor_cores(rec: Recorder, spec, read_gbs: float, stream: Stream, rng: np.r
         op.free()
 
 
-def _weights(raw: np.ndarray, l2_bytes: int) -> list[DeviceArray]:
-    """Copies of a matrix on the device, at least 4x L2 in all."""
-    return [qgemv.device_weights(raw) for _ in range(max(1, -(-4 * l2_bytes // raw.nbytes)))]
+def _weights(raw: np.ndarray, fmt: str, l2_bytes: int) -> list[DeviceArray]:
+    """Copies of a matrix (GGUF rows of `fmt`) on the device, at least 4x L2 in all."""
+    return [qgemv.device_weights(raw, fmt) for _ in range(max(1, -(-4 * l2_bytes // raw.nbytes)))]
 
 
 # bench qgemv --tune: the tunings swept, per M class (the spec's own are among them)
@@ -117,7 +117,7 @@ def tune(rec: Recorder, spec, read_gbs: float, stream: Stream) -> None:
         module, f = result.module(f"qgemv_{fmt}"), qgemv.fmt_of(fmt)
         for label, (n, k) in SHAPES.items():
             raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
-            ws = _weights(raw, info.l2_bytes)
+            ws = _weights(raw, fmt, info.l2_bytes)
             slices = -(-k // f.slice_values)
             for m in TUNE_MS:
                 x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
@@ -168,7 +168,7 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
         for label, (n, k) in SHAPES.items():
             op = qgemv.QMatmul(module, spec, fmt, k)
             raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
-            ws = _weights(raw, info.l2_bytes)
+            ws = _weights(raw, fmt, info.l2_bytes)
             for m in MS:
                 x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
                 y = DeviceArray.empty((m, n), np.float32)

@@ -22,7 +22,7 @@ import numpy as np
 from ..kernels.qgemv import device_weights, fmt_of
 from ..model.config import LINEAR, ModelConfig
 from ..model.gguf_file import GGUFCheckpoint, _retile, gguf_name, split_name
-from ..model.quants import GGMLType, quantize
+from ..model.quants import GGMLType, block_shape, quantize
 from ..runtime.memory import DeviceArray
 
 MATRIX_PARTS = {  # fused projection -> the canonical matrices in its row order
@@ -42,7 +42,7 @@ VECTORS = {"ln1": "input_layernorm.weight", "ln2": "post_attention_layernorm.wei
 @dataclass
 class Part:
     fmt: str          # kernels.qgemv format name
-    w: DeviceArray    # rows of format bytes (qgemv.device_weights)
+    w: DeviceArray    # the rows as the kernels read them (qgemv.device_weights)
     n: int            # rows
     col: int          # first column of the fused rows it writes
 
@@ -55,7 +55,9 @@ class Projection:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.w.nbytes for p in self.parts)
+        """The matrices' bytes as the checkpoint stores them (what the limits count; the GPU's Q6_K pairs take 2.9%
+        more: kernels/repack.py)."""
+        return sum(p.n * fmt_of(p.fmt).gguf_row_bytes(self.k) for p in self.parts)
 
     def apply(self, mm, x, y, m: int, stream, xq=None) -> None:
         """y [m, n] = x [m, k] W^T, each part straight into its columns of y's rows. mm[(fmt, k)]: the qgemv
@@ -127,14 +129,15 @@ def random_rows(fmt: str, n: int, k: int, rng: np.random.Generator, pool: dict) 
     """n rows of k values in `fmt` with random bytes and valid fp16 scales in [2^-10, 2^-6) (bf16: random values),
     cut from one random pool per format (the same bytes repeat; L2 caches addresses, not contents)."""
     f = fmt_of(fmt)
-    nbytes = n * f.row_bytes(k)
+    _, block = block_shape(f.ggml)
+    nbytes = n * f.gguf_row_bytes(k)
     if fmt not in pool or pool[fmt].size < nbytes:
-        size = max(nbytes, 64 << 20) // f.block_bytes * f.block_bytes + f.block_bytes
+        size = max(nbytes, 64 << 20) // block * block + block
         if fmt == "bf16":
             b = quantize(rng.standard_normal(size // 2, np.float32) * np.float32(0.02), GGMLType.BF16).ravel()
         else:
             b = rng.integers(0, 256, size, np.uint8)
-            blocks = b[:size // f.block_bytes * f.block_bytes].reshape(-1, f.block_bytes)
+            blocks = b[:size // block * block].reshape(-1, block)
             for off in SCALE_OFFSETS[fmt]:
                 scales = (2.0 ** rng.uniform(-10, -6, blocks.shape[0])).astype(np.float16)
                 blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
@@ -170,7 +173,7 @@ class RandomSource(Source):
 def fuse(matrices: list[tuple[str, np.ndarray]]) -> tuple[list[tuple[str, np.ndarray, int]], int, int]:
     """Matrices (format, rows) stacked row-wise into one projection: ([(format, rows, first column)] with
     consecutive matrices of one format joined, fused rows, row width K)."""
-    widths = {fmt_of(f).block_values * r.shape[1] // fmt_of(f).block_bytes for f, r in matrices}
+    widths = {r.shape[1] // block_shape(fmt_of(f).ggml)[1] * block_shape(fmt_of(f).ggml)[0] for f, r in matrices}
     if len(widths) != 1:
         raise ValueError(f"matrices of different row widths {sorted(widths)} cannot be fused")
     runs: list[tuple[str, list[np.ndarray]]] = []
@@ -213,7 +216,7 @@ class LayeredWeights:
     @staticmethod
     def _projection(source: Source, names: list[str]) -> Projection:
         runs, n, k = fuse([source.matrix(name) for name in names])
-        return Projection([Part(fmt, device_weights(rows), rows.shape[0], col) for fmt, rows, col in runs], n, k)
+        return Projection([Part(fmt, device_weights(rows, fmt), rows.shape[0], col) for fmt, rows, col in runs], n, k)
 
     def pairs(self) -> list[tuple[str, int]]:
         """(format, K) of every projection: the qgemv kernels the step needs."""

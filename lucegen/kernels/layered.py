@@ -63,7 +63,7 @@ def units(spec: ChipSpec, model: ModelConfig, embed_fmts=None) -> list[KernelUni
     if shape_problem(spec, model):
         return []
     if embed_fmts is None:
-        embed_fmts = [f for f in spec.tuning.weight_formats if model.hidden_size % fmt_of(f).block_values == 0]
+        embed_fmts = [f for f in spec.tuning.weight_formats if model.hidden_size % fmt_of(f).row_step == 0]
         embed_fmts += [] if "bf16" in embed_fmts else ["bf16"]
     cfg, rt = model, row_threads(spec)
     hexf = lambda v: float(np.float32(v)).hex() + "f"

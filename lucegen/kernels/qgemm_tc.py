@@ -1,5 +1,5 @@
 """Quantized weights on fp16 tensor cores, one kernel for every M (templates/qgemm_tc.cuh): numpy reference, units,
-launcher. Q4_K and Q6_K (the formats of a Q4_K_M file's matrices).
+launcher. Q4_K only (Q6_K was dropped: spec.py's TENSOR_CORE_FORMATS says why).
 
 Y [M, N] fp32 = X [M, K] W^T for rows W [N, K] as the GGUF file stores them. The kernel dequantises W to fp16 in
 registers (dequantize_fp16 gives the same fp16 values) and multiplies it with X's rows in fp16 (each scaled by a
@@ -24,9 +24,8 @@ from ..runtime.memory import DeviceArray
 from ..spec import TENSOR_CORE_FORMATS, ChipSpec
 
 BLOCK_VALUES = 256
-BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
-RUN_BYTES = {"q4_k": 144, "q6_k": 224}  # a block's run of 16-byte words in shared memory (Q6_K's: at any even address)
-CLASSES = {"q4_k": "TcQ4K", "q6_k": "TcQ6K"}
+BLOCK_BYTES = {"q4_k": 144}
+CLASSES = {"q4_k": "TcQ4K"}
 WARPS = 4     # warps a block, each a share of K's super-blocks
 STAGES = 3    # shared-memory buffers a warp streams its super-blocks through (cp.async, STAGES - 1 ahead)
 # tokens a kernel takes (8 a tile of the mma's B): a launch takes the first that holds its rows (more than 48: more
@@ -37,7 +36,7 @@ ROWS = 16     # output rows of the mma's A tile
 # row tiles a block (each activation fragment a warp loads serves them all): two read X half as often, but make
 # half the blocks; a block takes two from TWO_TILES_FROM tokens (session 10's sweep: results/logs/h200-s10-*)
 TILES = (1, 2)
-TWO_TILES_FROM = {"q4_k": 16, "q6_k": 32}
+TWO_TILES_FROM = {"q4_k": 16}
 UNIT = "qgemm_tc"
 
 
@@ -71,20 +70,10 @@ def _q4_k(b: np.ndarray) -> np.ndarray:
     return (q * s[:, :, None] + bias[:, :, None]).astype(np.float16)
 
 
-def _q6_k(b: np.ndarray) -> np.ndarray:
-    """fl16((q - 32) s) with s = fl16(d sc) (d sc exact in fp32; one rounding, as HMUL2)."""
-    ql = b[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
-    ql = (ql & 0xF).reshape(-1, 2, 4, 32)
-    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = ((ql | (qh << 4)).astype(np.float64) - 32).reshape(-1, 16, 16)
-    s = (_half(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)).astype(np.float16)
-    return (q * s.astype(np.float64)[:, :, None]).astype(np.float16)
-
-
 def dequantize_fp16(raw: np.ndarray, fmt: str) -> np.ndarray:
     """Rows [N, K / 256 * block bytes] (uint8) of a format -> the fp16 weights [N, K] the kernel makes."""
     b = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[fmt])
-    return {"q4_k": _q4_k, "q6_k": _q6_k}[fmt](b).reshape(raw.shape[0], -1)
+    return _q4_k(b).reshape(raw.shape[0], -1)
 
 
 def x_exponents(x: np.ndarray) -> np.ndarray:
@@ -116,7 +105,7 @@ def shape_problem(fmt: str, n: int, k: int) -> str | None:
 
 def smem_bytes(fmt: str, rows: int, tiles: int) -> int:
     """Dynamic shared memory of a kernel: each warp's stages, then the warps' partial sums (fp32 mma fragments)."""
-    return WARPS * STAGES * 16 * tiles * RUN_BYTES[fmt] + WARPS * tiles * rows // 8 * 32 * 4 * 4
+    return WARPS * STAGES * 16 * tiles * BLOCK_BYTES[fmt] + WARPS * tiles * rows // 8 * 32 * 4 * 4
 
 
 def units(spec: ChipSpec) -> list[KernelUnit]:
@@ -163,7 +152,7 @@ class QGemmTC:
             raise ValueError(problem)
         if ldy < n or y.size < (m - 1) * ldy + n:
             raise ValueError(f"y must hold {m} rows of {n} floats {ldy} apart (ldy >= n); got {y} and ldy = {ldy}")
-        if w.ptr % 16 and self.fmt == "q4_k":  # the kernel reads its blocks as 16-byte words
+        if w.ptr % 16:  # the kernel reads its blocks as 16-byte words
             raise ValueError(f"Q4_K weights for the tensor-core GEMM must start 16-byte aligned (at {w.ptr:#x})")
         k = self.k
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):

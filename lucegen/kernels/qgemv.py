@@ -24,10 +24,12 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..codegen.unit import KernelSig, KernelUnit
+from ..model import quants
 from ..model.config import ModelConfig
-from ..model.quants import GGMLType, _half, _nibbles_k, _scale_min_k4, dequantize, quantize
+from ..model.quants import QK_K, GGMLType, _half, _nibbles_k, _scale_min_k4, dequantize, q6_k_values, quantize
 from ..runtime.memory import DeviceArray
 from ..spec import WEIGHT_FORMATS, ChipSpec
+from .repack import q6_k_blocks, q6_k_pairs
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
@@ -46,7 +48,9 @@ MMA_STAGES = 2
 @dataclass(frozen=True)
 class Format:
     """A weight format as the kernels read it (quant.cuh's trait `cls`): a block of `block_values` values in
-    `block_bytes` bytes, decoded in `pieces` pieces; `aligned16` when every block starts on a 16-byte boundary."""
+    `block_bytes` bytes, decoded in `pieces` pieces; `aligned16` when every block starts on a 16-byte boundary.
+    The GPU holds the GGUF rows as stored (a block: quants.block_shape), except Q6_K's, repacked into pairs of
+    blocks (device_rows, kernels/repack.py)."""
     name: str
     ggml: GGMLType
     cls: str
@@ -55,6 +59,7 @@ class Format:
     pieces: int
     aligned16: bool
     mma: bool = False  # the GEMM can run on int8 tensor cores (quant.cuh's F::MMA)
+    row_values: int = 0  # rows are a multiple of this many values (0: block_values; Q6_K: a GGUF block, half a pair)
 
     @property
     def quantizes_x(self) -> bool:
@@ -84,9 +89,29 @@ class Format:
         """Shared memory for one row's slice: widened to 16-byte boundaries unless blocks are 16-byte aligned."""
         return self.slice_bytes if self.aligned16 else (self.slice_bytes + 14 + 15) // 16 * 16
 
+    @property
+    def row_step(self) -> int:
+        return self.row_values or self.block_values
+
     def row_bytes(self, k: int) -> int:
+        """Bytes of a row of k values on the GPU (quant.cuh's row_bytes: a last block half filled where k is an odd
+        number of Q6_K's GGUF blocks)."""
         check_k(self, k)
-        return k // self.block_values * self.block_bytes
+        return -(-k // self.block_values) * self.block_bytes
+
+    def gguf_row_bytes(self, k: int) -> int:
+        """Bytes of a row of k values as GGUF stores it (bf16: plain bf16)."""
+        return quants.row_bytes(self.ggml, k)
+
+    def device_rows(self, raw: np.ndarray) -> np.ndarray:
+        """GGUF rows uint8 [N, gguf_row_bytes] -> the rows the kernels read [N, row_bytes]."""
+        raw = np.ascontiguousarray(raw).view(np.uint8)
+        return q6_k_pairs(raw) if self.ggml == GGMLType.Q6_K else raw
+
+    def gguf_rows(self, rows: np.ndarray, k: int) -> np.ndarray:
+        """device_rows undone: the kernels' rows [N, row_bytes(k)] -> the GGUF rows."""
+        rows = np.ascontiguousarray(rows).view(np.uint8)
+        return q6_k_blocks(rows, k // QK_K) if self.ggml == GGMLType.Q6_K else rows
 
 
 FORMATS = {f.name: f for f in (
@@ -95,7 +120,7 @@ FORMATS = {f.name: f for f in (
     Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False),
     Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, mma=True),
     Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True),
-    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 256, 210, 8, False, mma=True),
+    Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 512, 432, 16, True, mma=True, row_values=256),  # pairs (repack.py)
 )}
 assert tuple(FORMATS) == WEIGHT_FORMATS
 
@@ -109,9 +134,9 @@ def fmt_of(name: str | GGMLType) -> Format:
 
 
 def check_k(fmt: Format, k: int) -> None:
-    if k <= 0 or k % fmt.block_values:
+    if k <= 0 or k % fmt.row_step:
         raise ValueError(f"{fmt.name} rows of K = {k} values: K must be a positive multiple of the "
-                         f"{fmt.name} block of {fmt.block_values} values")
+                         f"{fmt.name} block of {fmt.row_step} values")
 
 
 # ---- numpy reference -----------------------------------------------------------------------------------------
@@ -162,7 +187,7 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
     (Q4_K, Q5_K: fl(d * sc); the others: d) and its min (Q4_K, Q5_K: fl(dmin * m); Q4_0: 8 d, its offset; None for
     Q8_0 and Q6_K)."""
     n = len(raw)
-    blk = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, fmt.block_bytes)
+    blk = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, quants.block_shape(fmt.ggml)[1])
     mins = None
     if fmt.ggml == GGMLType.Q8_0:
         q, scale = blk[:, 2:].view(np.int8).astype(np.int32), _half(blk[:, 0:2])
@@ -170,11 +195,8 @@ def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, 
         q, scale = np.concatenate([blk[:, 2:] & 0xF, blk[:, 2:] >> 4], axis=1).astype(np.int32), _half(blk[:, 0:2])
         mins = (np.float32(8) * scale).reshape(n, -1)
     elif fmt.ggml == GGMLType.Q6_K:
-        ql = blk[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
-        ql = (ql & 0xF).reshape(-1, 2, 4, 32)
-        qh = (blk[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         sc = np.repeat(blk[:, 192:208].view(np.int8).astype(np.int32), 16, axis=1)
-        q = ((ql | (qh << 4)).astype(np.int32) - 32).reshape(-1, 256) * sc
+        q = (q6_k_values(blk).astype(np.int32) - 32) * sc
         scale = np.repeat(_half(blk[:, 208:210]), 8, axis=1)
     else:  # Q4_K, Q5_K
         q5 = fmt.ggml == GGMLType.Q5_K
@@ -309,7 +331,7 @@ class Tuning:
             return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
         if self.bulk:
             slot = (self.span * fmt.slice_bytes + 15 + 15) // 16 * 16
-            return self.stages * self.rows_per_block() * slot + k // fmt.block_values * fmt.x_block_bytes + \
+            return self.stages * self.rows_per_block() * slot + k * fmt.x_block_bytes // fmt.block_values + \
                 8 * (self.stages + 1)
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
@@ -433,9 +455,13 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
-def device_weights(raw: np.ndarray) -> DeviceArray:
-    """Rows of format bytes on the device, the allocation padded to a 16-byte multiple (the kernels read whole
-    16-byte words)."""
+def device_weights(raw: np.ndarray, fmt: str) -> DeviceArray:
+    """GGUF rows [N, gguf_row_bytes] of format `fmt` on the device as the kernels read them (Format.device_rows)."""
+    return device_bytes(fmt_of(fmt).device_rows(raw))
+
+
+def device_bytes(raw: np.ndarray) -> DeviceArray:
+    """Bytes on the device, the allocation padded to a 16-byte multiple (the kernels read whole 16-byte words)."""
     raw = np.ascontiguousarray(raw).view(np.uint8).ravel()
     out = DeviceArray.empty(-(-raw.size // 16) * 16, np.uint8)
     out.view(raw.size).copy_from(raw)

@@ -33,7 +33,7 @@ Q6_K  256 values, 210 B: [0:128] u8 ql[128] | [128:192] u8 qh[64] | [192:208] in
         value 128h + l + 96 = (ql_h[l+32] >> 4)  | ((qh_h[l] >> 6) & 3) << 4
       value i belongs to sub-block i // 16.                 x = (d * scales[i // 16]) * (q - 32)
 Alignment inside a row: Q4_K (144 B) and Q5_K (176 B) blocks are multiples of 16 bytes; Q8_0 (34 B), Q4_0 (18 B)
-and Q6_K (210 B) blocks are only 2-byte aligned.
+and Q6_K (210 B) blocks are only 2-byte aligned. (The GPU holds Q6_K rows repacked: lucegen/kernels/repack.py.)
 """
 from __future__ import annotations
 
@@ -114,11 +114,16 @@ def _dq_k(b, q5: bool):
     return ((d * sc)[:, :, None] * q.astype(np.float32) - (dmin * m)[:, :, None]).reshape(-1, QK_K)
 
 
-def _dq_q6_k(b):
+def q6_k_values(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [n, 210] -> their 6-bit values q (0 .. 63, before the offset of 32) uint8 [n, 256]."""
     ql = b[:, 0:128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)
     ql = (ql & 0xF).reshape(-1, 2, 4, 32)  # [half, k, l]: k = 0..3 -> offsets 0, 32, 64, 96
     qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = ((ql | (qh << 4)).astype(np.int8) - np.int8(32)).reshape(-1, 16, 16).astype(np.float32)
+    return (ql | (qh << 4)).reshape(-1, QK_K)
+
+
+def _dq_q6_k(b):
+    q = (q6_k_values(b).astype(np.int8) - np.int8(32)).reshape(-1, 16, 16).astype(np.float32)
     scale = _half(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
     return (scale[:, :, None] * q).reshape(-1, QK_K)
 
@@ -226,10 +231,17 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         L = np.rint(sub / d_sub[:, :, None])
     L = (np.where(d_sub[:, :, None] != 0, np.clip(L, -32, 31), 0) + 32).astype(np.uint8)
-    q = L.reshape(-1, 2, 4, 32)  # [half, k, l]
+    return q6_k_blocks_of(L.reshape(-1, QK_K), sc, d)
+
+
+def q6_k_blocks_of(q: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [n, 210] of their values q uint8 [n, 256] (0 .. 63), int8 scales [n, 16] and fp16 d [n]
+    (q6_k_values undone)."""
+    q = q.reshape(-1, 2, 4, 32)  # [half, k, l]
     ql = np.concatenate([(q[:, :, 0] & 0xF) | (q[:, :, 2] << 4), (q[:, :, 1] & 0xF) | (q[:, :, 3] << 4)], axis=2)
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scales.reshape(-1, 16).view(np.uint8),
+                           d.reshape(-1, 1).view(np.uint8)], axis=1)
 
 
 _QUANT: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {

@@ -31,7 +31,7 @@ def test_kv_rows_read_back_bit_for_bit(readers, fmt, n, head_dim, log_scale, see
     raw = kvformats.encode(x, fmt)
     out = DeviceArray.empty(n * head_dim + 64, np.float32)
     out.fill_bytes(0xFF)
-    readers[fmt](qgemv.device_weights(raw), out, n, head_dim)
+    readers[fmt](qgemv.device_bytes(raw), out, n, head_dim)
     host = out.numpy()
     assert (host[n * head_dim:].view(np.uint32) == 0xFFFFFFFF).all(), "the kernel wrote past its output"
     np.testing.assert_array_equal(host[:n * head_dim].reshape(n, head_dim).view(np.uint32),

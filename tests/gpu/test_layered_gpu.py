@@ -342,10 +342,11 @@ def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(tmp_
                                        budget=min(budget, engine.spec.tuning.ddtree.budget))
 
 
-def test_with_q4_k_and_q6_k_on_tensor_cores_a_verify_is_decoding_and_speculation_is_plain_greedy(tmp_path_factory):
-    """tuning.qgemv.tensor_core_formats on: those formats' rows go through kernels/qgemm_tc.py at every M, one
-    batch-invariant kernel for the decode GEMV and the verify GEMM. A tree verify's logits equal decoding each node
-    after its ancestors bit for bit, and speculation gives plain greedy decoding's tokens."""
+def test_with_q4_k_on_tensor_cores_a_verify_is_decoding_and_speculation_is_plain_greedy(tmp_path_factory):
+    """tuning.qgemv.tensor_core_formats on: those formats' rows (Q4_K's) go through kernels/qgemm_tc.py at every M,
+    one batch-invariant kernel for the decode GEMV and the verify GEMM, the others' (Q6_K's) through kernels/qgemv.py.
+    A tree verify's logits equal decoding each node after its ancestors bit for bit, and speculation gives plain
+    greedy decoding's tokens."""
     spec = spec_for_current_device()
     qgemv_tc = dataclasses.replace(spec.tuning.qgemv, tensor_core_formats=TENSOR_CORE_FORMATS)
     spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, qgemv=qgemv_tc))
