@@ -105,11 +105,6 @@ class QGemvTuning:
                               # warps (loads in flight) an SM
     model_min_blocks: tuple[ModelMinBlocks, ...] = ()  # models whose GEMVs take another floor (one that spills
                                                        # another model's shapes)
-    bulk_stages: int = 0      # > 0: the GEMV on bulk copies instead (sm_90+; qgemv.cuh's qgemv_bulk): a ring of this
-                              # many tiles a block; 0: the GEMV above
-    bulk_warps: int = 8       # its tiles' rows (a warp each)
-    bulk_blocks: int = 2      # its blocks an SM: a tile holds as many slices of its rows as leave room for them
-    bulk_formats: tuple[str, ...] = WEIGHT_FORMATS  # the formats whose GEMV it is (with bulk_stages > 0)
 
     def min_blocks_for(self, model: str | None) -> int:
         """The GEMV's floor of blocks an SM for `model` (None: the spec's)."""
@@ -401,15 +396,6 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         if not 1 <= floor <= c.max_threads_per_sm // t.qgemv.threads:
             _fail(source, key, f"{floor} must be between 1 and {c.max_threads_per_sm // t.qgemv.threads} (blocks of "
                   f"{t.qgemv.threads} threads an SM)")
-    if t.qgemv.bulk_stages and not 2 <= t.qgemv.bulk_stages <= 8:
-        _fail(source, "tuning.qgemv.bulk_stages", f"{t.qgemv.bulk_stages}: the bulk GEMV takes 2 to 8 stages (0: "
-              f"no bulk GEMV)")
-    if unknown := set(t.qgemv.bulk_formats) - set(WEIGHT_FORMATS):
-        _fail(source, "tuning.qgemv.bulk_formats", f"{', '.join(sorted(unknown))}: not weight formats "
-              f"({', '.join(WEIGHT_FORMATS)})")
-    if not 1 <= t.qgemv.bulk_warps <= 32 or not 1 <= t.qgemv.bulk_blocks <= 8:
-        _fail(source, "tuning.qgemv", f"bulk_warps {t.qgemv.bulk_warps} must be between 1 and 32 and bulk_blocks "
-              f"{t.qgemv.bulk_blocks} between 1 and 8")
     if t.qgemv.stages == 1 or not 0 <= t.qgemv.stages <= 8:
         _fail(source, "tuning.qgemv.stages", f"{t.qgemv.stages} must be 0 (no ring) or between 2 and 8")
     if unknown := set(t.qgemv.tensor_core_formats) - set(TENSOR_CORE_FORMATS):
@@ -456,8 +442,6 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
                      *((f"tuning.prefill.model_pdl[{i}].pdl", m.pdl) for i, m in enumerate(t.prefill.model_pdl))):
         if pdl and c.cc < 90:
             _fail(source, key, f"programmatic dependent launch needs sm_90 or newer; this chip is {c.arch}")
-    if t.qgemv.bulk_stages and c.cc < 90:
-        _fail(source, "tuning.qgemv.bulk_stages", f"bulk copies need sm_90 or newer; this chip is {c.arch}")
     if t.prefill.gemm not in gemm_methods(spec):
         _fail(source, "tuning.prefill.gemm", f"wgmma is Hopper's (sm_90a) instruction; this chip is {c.arch}")
     if t.prefill.attention not in GEMM_METHODS:

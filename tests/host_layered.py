@@ -146,7 +146,7 @@ class LayeredHostKernel:
         if name.startswith(("qgemv_", "qgemm_")):
             w, x, y, n, m, *ldy = args  # the GEMMs (M-tiles past one row) take Y's row stride
             ldy = ldy[0] if ldy else n
-            fmt, k = re.fullmatch(r"qgem[vm](?:_mma|_bulk)?(?:_m\d+)?(?:_r\d+)?_(\w+?)_k(\d+)(?:_r\d+)?(?:_s\d+)?_t\d+"
+            fmt, k = re.fullmatch(r"qgem[vm](?:_mma)?(?:_m\d+)?(?:_r\d+)?_(\w+?)_k(\d+)(?:_r\d+)?(?:_s\d+)?_t\d+"
                                   r"(?:_st\d+)?(?:_mb\d+)?", name).groups()
             k = int(k)
             W = matrix(w, fmt, n, k)

@@ -120,12 +120,10 @@ def test_layered_step_kernel_kinds_drop_the_shape_and_keep_the_format():
                                   *qgemv.units(spec, cfg, qgemv.mix_pairs(cfg, "q4_k_m")), *argmax.units(spec, cfg))
                  for k in u.kernels]
         mma = {"qgemm_mma_q4_k", "qgemm_mma_q6_k"} if spec.tuning.qgemv.gemm == "mma" else set()  # (its own kind)
-        q = spec.tuning.qgemv
-        gemv = lambda f: f"qgemv_bulk_{f}" if q.bulk_stages and f in q.bulk_formats else f"qgemv_{f}"  # (its own)
         assert {kernel_kind(n) for n in names} == {
             "layered_embed", "layered_add_rmsnorm", "layered_silu_mul", "layered_place",
             "layered_advance", "tree_deltanet", "tree_attention_kv", "tree_attention", "tree_kv_commit",
-            "qgemm_q4_k", "qdequant_q4_k", "qgemm_q6_k", "qdequant_q6_k", "qquant_x", gemv("q4_k"), gemv("q6_k"),
+            "qgemm_q4_k", "qdequant_q4_k", "qgemm_q6_k", "qdequant_q6_k", "qquant_x", "qgemv_q4_k", "qgemv_q6_k",
             "argmax_f32", *mma}, spec.name
 
 
@@ -135,8 +133,6 @@ def test_qgemv_kinds_name_the_format(stages):
         gemv = qgemv.Tuning(256, 2, 1, 4, stages).name(fmt, 17408)
         gemm = qgemv.Tuning(128, 1, 16, 2, stages).name(fmt, 5120)
         assert (kernel_kind(gemv), kernel_kind(gemm)) == (f"qgemv_{fmt.name}", f"qgemm_{fmt.name}"), (gemv, gemm)
-        bulk = qgemv.Tuning(256, 1, 1, 4, stages or 2, min_blocks=3, bulk=True).name(fmt, 17408)
-        assert kernel_kind(bulk) == f"qgemv_bulk_{fmt.name}", bulk
 
 
 class FakeStep:

@@ -3,7 +3,6 @@ made of, and the device decode (templates/quant.cuh) compiled for the host and c
 gguf package on freshly drawn blocks."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import subprocess
 
@@ -44,8 +43,7 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     rings = {t.name(fmt, CHECK_K): t.smem(fmt, CHECK_K) for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
-        # shared memory: the warps' rings alone (none without stages; activations come through L1), or the bulk
-        # GEMV's tiles, activations and barriers
+        # shared memory: the warps' rings alone (none without stages; activations come through L1)
         assert k.static_smem == 0 and k.dynamic_smem == rings.get(k.name, 0), k.name
         # a quarter of the SM's threads at least, for the loads in flight
         assert k.coresident_blocks * k.threads >= spec.chip.max_threads_per_sm // 4 * spec.chip.sm_count, k.name
@@ -100,14 +98,7 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
                 continue
             slices = -(-k // f.slice_values)
             v, *gemms = qgemv.tunings(spec, f, k)
-            if q.bulk_stages and f.name in q.bulk_formats:  # the bulk GEMV: the longest span that leaves room
-                assert (v.mt, v.threads, v.stages, v.bulk, v.min_blocks) == (1, 32 * q.bulk_warps, q.bulk_stages, True,
-                                                                             q.bulk_blocks)
-                room = spec.chip.smem_per_sm // q.bulk_blocks - 1024
-                assert v.smem(f, k) <= room and (v.span == slices or
-                                                 dataclasses.replace(v, span=v.span + 1).smem(f, k) > room)
-            else:
-                assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
+            assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
             if mma:  # tensor cores: the last kernels, the format's M-tiles and tiles of 16 rows a block; dp4a's
                 tilings = qgemv.MMA_TILINGS[f.name]  # M-tiles before them unless they take all M
@@ -143,13 +134,6 @@ def test_mma_sizes_worked_out_by_hand():
     assert t2.smem(q4k, 5120) == 2 * (32 * 37 * 16 + 16 * 97 * 16) + 2 * 8
     assert 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
-    # the bulk GEMV, 8 rows a group and 3 stages of 5 slices: each row's 5 slices of Q4_K (20 blocks of 144 bytes)
-    # widened to 16-byte words from any 2-byte aligned start (+ 30, rounded down to words: 2,896 bytes), the 160
-    # XBlocks of a row of 5,120 values, 4 mbarriers; at most the blocks that fit at once, each a range of rows
-    b = qgemv.Tuning(256, 1, 1, 5, 3, bulk=True)
-    assert b.smem(q4k, 5120) == 3 * 8 * 2896 + 160 * 48 + 4 * 8
-    assert b.name(q4k, 5120) == "qgemv_bulk_q4_k_k5120_s5_t256_st3"
-    assert b.grid(17408, 1, resident=264) == 264 and b.grid(48, 1, resident=264) == 6
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
@@ -325,7 +309,6 @@ unsigned __float_as_uint(float f);
 int __float_as_int(float f);
 namespace lucegen { float warp_sum(float v); }
 """
-import dataclasses
 
 HOST_MAIN = r"""
 #include HEADER

@@ -125,9 +125,6 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"model_min_blocks": [{"model": "qwen3.5-27b", "min_blocks": 0}]}),
      "tuning.qgemv.model_min_blocks[0].min_blocks", "between 1 and 8"),
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
-    (_set("tuning.qgemv", {"bulk_stages": 1}), "tuning.qgemv.bulk_stages", "takes 2 to 8 stages"),
-    (_set("tuning.qgemv", {"bulk_formats": ["q4_k", "iq2"]}), "tuning.qgemv.bulk_formats", "iq2: not weight formats"),
-    (_set("tuning.qgemv", {"bulk_stages": 3, "bulk_blocks": 0}), "tuning.qgemv", "bulk_blocks 0 between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
     (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),
     (_set("tuning.qgemv", {"tensor_core_formats": ["q6_k"]}), "tuning.qgemv.tensor_core_formats",
@@ -181,17 +178,6 @@ def test_a_model_may_launch_its_prefill_otherwise_than_the_spec(tmp_path):
 def test_copy_engine_gemv_needs_hopper(tmp_path):
     with pytest.raises(SpecError, match=r"tuning.gemv.method: bulk copies need sm_90"):
         load_spec(_write(tmp_path, _set("chip.arch", "sm_89")))
-
-
-def test_bulk_qgemv_needs_hopper(tmp_path):
-    def mutate(d):
-        d["chip"]["arch"] = "sm_89"
-        d["tuning"]["gemv"]["method"] = "ldg"
-        d["tuning"]["layered"]["pdl"] = False
-        d["tuning"]["prefill"]["model_pdl"] = []
-        d["tuning"]["qgemv"]["bulk_stages"] = 3
-    with pytest.raises(SpecError, match=r"tuning.qgemv.bulk_stages: bulk copies need sm_90"):
-        load_spec(_write(tmp_path, mutate))
 
 
 def test_wgmma_prefill_gemm_needs_hopper(tmp_path):

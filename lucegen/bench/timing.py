@@ -45,7 +45,7 @@ def host_median_ms(fn: Callable[[], object], repeat: int, warmup: int = 0) -> fl
 def kernel_kind(name: str) -> str:
     """A kernel's kind: its name without the parts that name a shape (gemm_wg128x256_silu -> gemm_silu,
     rmsnorm_f32_h1024 -> rmsnorm_f32, qgemv_q4_k_k5120_r1_s2_t256_st3 -> qgemv_q4_k, qgemm_m8_q6_k_k5120_r1_s1_t256
-    -> qgemm_q6_k, qgemv_bulk_q6_k_k17408_s4_t256_st3_mb3 -> qgemv_bulk_q6_k)."""
+    -> qgemm_q6_k, qgemm_mma_m16_r1_q4_k_k5120_t256_st3 -> qgemm_mma_q4_k)."""
     return "_".join(p for p in name.split("_") if not _SHAPE_PART.fullmatch(p))
 
 

@@ -300,16 +300,11 @@ class Tuning:
     mma: bool = False  # the GEMM on int8 tensor cores (qgemm_mma: `rows` tiles of 16 rows a block, 8 warps, a
                        # block-wide ring of `stages` slices; span unused)
     min_blocks: int = 2  # blocks an SM at least (__launch_bounds__: a register cap)
-    bulk: bool = False   # the GEMV on bulk copies (qgemv_bulk: a warp a row of each group of threads / 32 rows, a
-                         # block-wide ring of `stages` tiles of `span` slices of the group's rows, the activations
-                         # in shared memory; rows and mt 1)
 
     def name(self, fmt: Format, k: int) -> str:
         floor = f"_mb{self.min_blocks}" if self.min_blocks != 2 else ""
         if self.mma:
             return f"qgemm_mma_m{self.mt}_r{self.rows}_{fmt.name}_k{k}_t{self.threads}_st{self.stages}{floor}"
-        if self.bulk:
-            return f"qgemv_bulk_{fmt.name}_k{k}_s{self.span}_t{self.threads}_st{self.stages}{floor}"
         kind = "qgemv" if self.mt == 1 else f"qgemm_m{self.mt}"
         ring = f"_st{self.stages}" if self.stages else ""
         return f"{kind}_{fmt.name}_k{k}_r{self.rows}_s{self.span}_t{self.threads}{ring}{floor}"
@@ -321,26 +316,18 @@ class Tuning:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
         larger of the block's ring (`stages` slices of its rows and mt activation rows, each row's slot an odd
         number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the ring's
-        memory, then an mbarrier a stage (sm_90's bulk copies); for bulk the ring of tiles (each row's span slices
-        widened to 16-byte words), the activations' XBlocks of a row of K and an mbarrier a stage and for the
-        activations (qgemv.cuh's QGemvBulk)."""
+        memory, then an mbarrier a stage (sm_90's bulk copies)."""
         if self.mma:
             odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
             rows = self.rows_per_block()
             stage = rows * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
             return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
-        if self.bulk:
-            slot = (self.span * fmt.slice_bytes + 15 + 15) // 16 * 16
-            return self.stages * self.rows_per_block() * slot + k * fmt.x_block_bytes // fmt.block_values + \
-                8 * (self.stages + 1)
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
-    def grid(self, n: int, m: int, resident: int = 0) -> int:
+    def grid(self, n: int, m: int) -> int:
         """Blocks for N rows and M activation rows: one per row group and M-tile, the M-tiles of a row group
-        consecutive (they run together and share the weights through L2); for bulk at most `resident` blocks
-        (what the GPU holds at once: each block owns a contiguous range of rows)."""
-        groups = -(-n // self.rows_per_block())
-        return min(groups, resident) if self.bulk else groups * -(-m // self.mt)
+        consecutive (they run together and share the weights through L2)."""
+        return -(-n // self.rows_per_block()) * -(-m // self.mt)
 
 
 def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> list[Tuning]:
@@ -356,25 +343,8 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.gemm_mma_from)]
     if mma:
         gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in MMA_TILINGS[fmt.name]]
-    if q.bulk_stages and fmt.name in q.bulk_formats:
-        gemv = bulk_tuning(spec, fmt, k)
-    else:
-        gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages,
-                      min_blocks=q.min_blocks_for(model))
+    gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks_for(model))
     return [gemv, *gemms]
-
-
-def bulk_tuning(spec: ChipSpec, fmt: Format, k: int) -> Tuning:
-    """The spec's bulk GEMV for rows of K values: tiles of the longest span of slices that leaves room for
-    tuning.qgemv.bulk_blocks blocks an SM (each also holds a row of activations' XBlocks)."""
-    q, chip = spec.tuning.qgemv, spec.chip
-    room = min(chip.smem_per_sm // q.bulk_blocks - 1024, chip.smem_per_block)
-    fits = [s for s in range(1, -(-k // fmt.slice_values) + 1)
-            if Tuning(32 * q.bulk_warps, 1, 1, s, q.bulk_stages, bulk=True).smem(fmt, k) <= room]
-    if not fits:
-        raise ValueError(f"{spec.name}: no bulk GEMV of {fmt.name} rows of K = {k} fits {q.bulk_blocks} blocks an SM "
-                         f"(tuning.qgemv.bulk_blocks, bulk_stages {q.bulk_stages}, bulk_warps {q.bulk_warps})")
-    return Tuning(32 * q.bulk_warps, 1, 1, max(fits), q.bulk_stages, min_blocks=q.bulk_blocks, bulk=True)
 
 
 def tile_from(mt: int) -> int:
@@ -445,7 +415,7 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
                                            "span": t.span, "stages": t.stages, "threads": t.threads, "mma": t.mma,
-                                           "bulk": t.bulk, "smem": t.smem(fmt, k), "min_blocks": t.min_blocks}
+                                           "smem": t.smem(fmt, k), "min_blocks": t.min_blocks}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
@@ -483,11 +453,6 @@ class QMatmul:
         for t, kernel in self.kernels.items():
             if t.smem(self.fmt, k) > 48 * 1024:  # past the default dynamic shared memory: opt in
                 kernel.set_max_dynamic_smem(t.smem(self.fmt, k))
-        # bulk GEMVs: the blocks the GPU holds at once (shared memory, with the 1 KB it reserves a block; threads)
-        chip = spec.chip
-        self.resident = {t: chip.sm_count * min(chip.smem_per_sm // (t.smem(self.fmt, k) + 1024),
-                                                chip.max_threads_per_sm // t.threads, chip.max_blocks_per_sm)
-                         for t in self.tunings if t.bulk}
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
         self.quant_threads = spec.tuning.qgemv.threads
@@ -526,7 +491,7 @@ class QMatmul:
                 self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
                            blocks, stream=stream)
                 x = self.xq
-        self.kernels[t](t.grid(n, m, self.resident.get(t, 0)), t.threads, w, x, y, n, m,
+        self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m,
                         *((ldy,) if t.mt > 1 else ()), smem=t.smem(self.fmt, self.k), stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
