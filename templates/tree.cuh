@@ -266,18 +266,22 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
         }
     // The gated RMSNorm of the nodes' outputs, here rather than in a launch of its own: the last of the blocks of a
     // group of heads (deltanet_norm_heads) to finish norms the group in every node, a warp a node, and writes its
-    // XBlocks.
+    // XBlocks: a head's own from the registers, a group's of several heads from the values written.
     constexpr int HG = deltanet_norm_heads<M>();
     if (T.normed != nullptr && last_to_arrive(T.norm_tickets + vh / HG, HG * gridDim.y, flag))
         for (int s = warp; s < steps; s += P::WARPS) {
             const size_t row = (size_t)step_node(schedule[s]) * M::LIN_VALUE_DIM;
             const float* z = T.mixed + (size_t)step_node(schedule[s]) * T.stride + C;
             const int h0 = vh / HG * HG;
+            XBlock* const xq = HG == 1 && T.normed_q != nullptr ? T.normed_q + row / 32 : nullptr;
             for (int h = h0; h < h0 + HG; ++h)
-                deltanet_gated_norm_head<M>(T.out + row, z, T.norm_w, GlobalQuads{reinterpret_cast<float4*>(T.normed + row)}, h);
-            __syncwarp();  // the group's values are written before its XBlocks read them
-            if (T.normed_q != nullptr && lane < HG * DV / 32)
-                T.normed_q[(row + h0 * DV) / 32 + lane] = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
+                deltanet_gated_norm_head<M>(T.out + row, z, T.norm_w, GlobalQuads{reinterpret_cast<float4*>(T.normed + row)}, h,
+                                            xq);
+            if constexpr (HG > 1) {
+                __syncwarp();  // the group's values are written before its XBlocks read them
+                if (T.normed_q != nullptr && lane < HG * DV / 32)
+                    T.normed_q[(row + h0 * DV) / 32 + lane] = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
+            }
         }
 }
 
