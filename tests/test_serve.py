@@ -246,12 +246,14 @@ def test_disconnect_stops_the_generation(server, stream):
 def test_a_failure_leaves_the_server_serving(server, stream):
     server.spy.fail_next = True
     c = client(server)
+    # greedy, so that the request reaches a decode step (a sampled first token could be EOS: no decode, no failure)
+    assert greedy(server, server.tokenizer.encode("abc"), 5)[1] > 1
     if stream:
         with pytest.raises(openai.APIError, match="injected failure"):
-            list(c.completions.create(model=NAME, prompt="abc", max_tokens=5, stream=True))
+            list(c.completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0, stream=True))
     else:
         with pytest.raises(openai.InternalServerError) as e:
-            c.completions.create(model=NAME, prompt="abc", max_tokens=5)
+            c.completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0)
         assert e.value.status_code == 500 and e.value.body["type"] == "server_error"
         assert "RuntimeError: injected failure" in e.value.body["message"]
     r = c.completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0)
