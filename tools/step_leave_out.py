@@ -8,7 +8,8 @@ speed it would, since no kernel's time depends on the values it reads.
 
 Kinds: rows (add + RMSNorm, SiLU x up), deltanet (the linear layers' mixer), attention (the full layers' mixer),
 lm_head (the LM head's projection), a weight format (q4_k, q6_k, ...: every projection part in it, the LM head's
-included), all (every one of those); kinds joined by + go out together (rows+deltanet+attention: the projections
+included), a format and row length (q4_k:17408: the parts in that format whose rows hold that many values, the
+ffn_down of Q4_K here), all (every one of those); kinds joined by + go out together (rows+deltanet+attention: the projections
 alone remain). Prints one JSON line a kind: the median us a token and what leaving it out saved against the whole
 step, which is timed before the kinds and again after them (the two show the machine's drift).
 """
@@ -33,7 +34,7 @@ def leaving_out(engine, kinds: set[str]):
     graphs dropped before and after)."""
     step = engine.step
     everything, mm = "all" in kinds, step.mm
-    gone = {fmt for fmt, _ in mm} & kinds if not everything else {fmt for fmt, _ in mm}
+    gone = {key for key in mm if everything or key[0] in kinds or f"{key[0]}:{key[1]}" in kinds}
     step.drop(step)
     if everything or "rows" in kinds:
         step.kernels.add_rmsnorm = step.kernels.silu_mul = _noop
@@ -41,7 +42,7 @@ def leaving_out(engine, kinds: set[str]):
         step.mixer.linear = _noop
     if everything or "attention" in kinds:
         step.mixer.full = _noop
-    step.mm = {key: (_noop if key[0] in gone else op) for key, op in mm.items()}
+    step.mm = {key: (_noop if key in gone else op) for key, op in mm.items()}
     if everything or "lm_head" in kinds:
         project = type(step).project.__get__(step)
         step.project = lambda P, *a, **k: None if P is step.weights.lm_head else project(P, *a, **k)
@@ -76,10 +77,12 @@ def main() -> int:
     engine = LayeredEngine(RandomSource(cfg, a.mix), cfg, spec_for_current_device(),
                            max_context=a.context + 1 + WARMUP + TG, chunk=1)
     formats = sorted({fmt for fmt, _ in engine.step.mm})
+    shapes = sorted(f"{fmt}:{k}" for fmt, k in engine.step.mm)
     kinds = a.kinds or [*KINDS, *formats, "all"]
-    unknown = {k for kind in kinds for k in kind.split("+")} - {*KINDS, *formats, "all"}
+    unknown = {k for kind in kinds for k in kind.split("+")} - {*KINDS, *formats, *shapes, "all"}
     if unknown:
-        ap.error(f"unknown kinds {sorted(unknown)} (this model's step has {', '.join([*KINDS, *formats, 'all'])})")
+        ap.error(f"unknown kinds {sorted(unknown)} (this model's step has "
+                 f"{', '.join([*KINDS, *formats, *shapes, 'all'])})")
     us = lambda: statistics.median(tg_ms(engine, a.context) * 1e3 / TG for _ in range(a.medians))
     whole = us()
     print(json.dumps({"left_out": None, "us_per_token": round(whole, 1)}))
