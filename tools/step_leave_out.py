@@ -9,8 +9,8 @@ speed it would, since no kernel's time depends on the values it reads.
 Kinds: rows (add + RMSNorm, SiLU x up), deltanet (the linear layers' mixer), attention (the full layers' mixer),
 lm_head (the LM head's projection), a weight format (q4_k, q6_k, ...: every projection part in it, the LM head's
 included), a format and row length (q4_k:17408: the parts in that format whose rows hold that many values, the
-ffn_down of Q4_K here), all (every one of those); kinds joined by + go out together (rows+deltanet+attention: the projections
-alone remain). Prints one JSON line a kind: the median us a token and what leaving it out saved against the whole
+ffn_down of Q4_K here), all (every one of those); kinds joined by + go out together (rows+deltanet+attention: the
+projections alone remain). Prints one JSON line a kind: the median us a token and what leaving it out saved against the whole
 step, which is timed before the kinds and again after them (the two show the machine's drift).
 """
 from __future__ import annotations
