@@ -57,3 +57,12 @@ def test_each_kind_left_out_drops_its_launches_alone(engine):
     assert sum(gone["all"].values()) == sum(whole.values()) - 3
     with tool.leaving_out(engine, {"rows", "lm_head"}):
         assert whole - launched(step) == gone["rows"] + gone["lm_head"]
+    # a format and a row length: that format's launches of that K alone, and a format's lengths add up to it
+    for fmt in formats:
+        ks = sorted(k for f, k in step.mm if f == fmt)
+        by_k = {}
+        for k in ks:
+            with tool.leaving_out(engine, {f"{fmt}:{k}"}):
+                by_k[k] = whole - launched(step)
+            assert by_k[k] and all(f"_{fmt}_k{k}_" in n for n in by_k[k]), (fmt, k)
+        assert sum(by_k.values(), Counter()) == gone[fmt]
