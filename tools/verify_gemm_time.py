@@ -1,0 +1,67 @@
+"""The spec's quantized GEMMs (QMatmul: the int8 mma from gemm_mma_from rows) on the 27B's projection shapes at a
+tree verify's M, for A/B runs of kernel variants (a lab copy of the tree each, run from its root):
+
+    python3 tools/verify_gemm_time.py [spec] [M,M,...] [fmt:label,...]
+
+Weights are random blocks with small finite fp16 scales (speed does not depend on the values; numpy's quantizer
+took minutes on these shapes), cached in /tmp across trees, and rotated past L2; the calls are replayed from a CUDA
+graph (bench qgemv's _us_per_call). Prints us a call and the fraction of the read rate (4,158 GB/s, the H200's as
+the decode step's leave-out runs use). Not a benchmark of record: bench speculative's verify is."""
+import os
+import sys
+import time
+
+import numpy as np
+from lucegen.bench.qgemv import _us_per_call, _weights
+from lucegen.codegen.build import build
+from lucegen.kernels import qgemv
+from lucegen.model.config import tiny_config
+from lucegen.runtime import DeviceArray, Stream, device_info
+from lucegen.spec import load_spec
+
+SHAPES = [("q4_k", "gate/up", 34816, 5120), ("q4_k", "qkv", 10240, 5120), ("q4_k", "out", 5120, 6144),
+          ("q4_k", "down", 5120, 17408), ("q6_k", "down", 5120, 17408), ("q6_k", "qkv", 10240, 5120)]
+MS = [int(a) for a in sys.argv[2].split(",")] if len(sys.argv) > 2 else [9, 16, 23]
+only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+HALVES = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}  # block bytes, the fp16 fields
+
+
+def random_rows(fmt, n, k):
+    """Random blocks (speed does not depend on the values) with small finite fp16 scales, cached across trees."""
+    path = f"/tmp/mma_w_{fmt}_{n}_{k}.npy"
+    if os.path.exists(path):
+        return np.load(path)
+    bs, fields = HALVES[fmt]
+    raw = np.random.default_rng(n + k).integers(0, 256, (n, k // 256, bs), dtype=np.uint8)
+    for at in fields:
+        raw[:, :, at], raw[:, :, at + 1] = 0x00, 0x20
+    raw = raw.reshape(n, -1)
+    np.save(path, raw)
+    return raw
+
+
+spec = load_spec(sys.argv[1] if len(sys.argv) > 1 else "specs/h200.yaml")
+info = device_info()
+pairs = sorted({(f, k) for f, _, _, k in SHAPES})
+t0 = time.time()
+result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
+print(f"built in {time.time() - t0:.0f} s", flush=True)
+stream = Stream()
+rng = np.random.default_rng(1)
+read = 4158.0
+for fmt, label, n, k in SHAPES:
+    if only and f"{fmt}:{label}" not in only:
+        continue
+    module = result.module(f"qgemv_{fmt}")
+    raw = random_rows(fmt, n, k)
+    ws = _weights(raw, fmt, info.l2_bytes)
+    op = qgemv.QMatmul(module, spec, fmt, k)  # (the GEMV of the tiny config the units were built for: M = 1 is not timed)
+    for m in MS:
+        x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        y = DeviceArray.empty((m, n), np.float32)
+        us = _us_per_call(op, ws, x, y, n, m, stream)
+        frac = raw.nbytes / (us * 1e-6) / 1e9 / read
+        print(f"{fmt} {label:8} {n:6}x{k:<6} M={m:<3} {op.tuning_for(m).name(qgemv.fmt_of(fmt), k):48} {us:8.1f} us {frac:6.1%}", flush=True)
+        x.free(); y.free()
+    for w in ws:
+        w.free()
