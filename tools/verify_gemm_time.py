@@ -5,13 +5,14 @@ tree verify's M, for A/B runs of kernel variants (a lab copy of the tree each, r
 
 Weights are random blocks with small finite fp16 scales (speed does not depend on the values; numpy's quantizer
 took minutes on these shapes), cached in /tmp across trees, and rotated past L2; the calls are replayed from a CUDA
-graph (bench qgemv's _us_per_call). Prints us a call and the fraction of the read rate (4,158 GB/s, the H200's as
-the decode step's leave-out runs use). Not a benchmark of record: bench speculative's verify is."""
+graph (bench qgemv's _us_per_call). Prints us a call and the fraction of the read rate measured in the same run
+(bench.gemv.measure_read_gbs). Not a benchmark of record: bench speculative's verify is."""
 import os
 import sys
 import time
 
 import numpy as np
+from lucegen.bench.gemv import measure_read_gbs
 from lucegen.bench.qgemv import _us_per_call, _weights
 from lucegen.codegen.build import build
 from lucegen.kernels import qgemv
@@ -48,7 +49,8 @@ result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
 print(f"built in {time.time() - t0:.0f} s", flush=True)
 stream = Stream()
 rng = np.random.default_rng(1)
-read = 4158.0
+read = measure_read_gbs(spec, stream)
+print(f"read rate {read:.0f} GB/s", flush=True)
 for fmt, label, n, k in SHAPES:
     if only and f"{fmt}:{label}" not in only:
         continue
@@ -62,6 +64,7 @@ for fmt, label, n, k in SHAPES:
         us = _us_per_call(op, ws, x, y, n, m, stream)
         frac = raw.nbytes / (us * 1e-6) / 1e9 / read
         print(f"{fmt} {label:8} {n:6}x{k:<6} M={m:<3} {op.tuning_for(m).name(qgemv.fmt_of(fmt), k):48} {us:8.1f} us {frac:6.1%}", flush=True)
-        x.free(); y.free()
+        x.free()
+        y.free()
     for w in ws:
         w.free()
