@@ -5,7 +5,8 @@ tree verify's M, for A/B runs of kernel variants (a lab copy of the tree each, r
 
 Weights are random blocks with small finite fp16 scales (speed does not depend on the values; numpy's quantizer
 took minutes on these shapes), cached in /tmp across trees, and rotated past L2; the calls are replayed from a CUDA
-graph (bench qgemv's _us_per_call). Prints us a call and the fraction of the read rate measured in the same run
+graph (bench qgemv's _us_per_call) on a programmatic stream where the spec's layer-by-layer step (the verify) uses
+one. Prints us a call and the fraction of the read rate measured in the same run
 (bench.gemv.measure_read_gbs). Not a benchmark of record: bench speculative's verify is."""
 import os
 import sys
@@ -47,7 +48,7 @@ pairs = sorted({(f, k) for f, _, _, k in SHAPES})
 t0 = time.time()
 result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
 print(f"built in {time.time() - t0:.0f} s", flush=True)
-stream = Stream()
+stream = Stream(programmatic=spec.tuning.layered.pdl)  # as the verify step launches them
 rng = np.random.default_rng(1)
 read = measure_read_gbs(spec, stream)
 print(f"read rate {read:.0f} GB/s", flush=True)
