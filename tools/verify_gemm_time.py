@@ -3,12 +3,11 @@ tree verify's M, for A/B runs of kernel variants (a lab copy of the tree each, r
 
     python3 tools/verify_gemm_time.py [spec] [M,M,...] [fmt:label,...]
 
-Weights are random blocks with small finite fp16 scales (speed does not depend on the values; numpy's quantizer
-took minutes on these shapes), cached in /tmp across trees, and rotated past L2; the calls are replayed from a CUDA
+Weights are random blocks with valid fp16 scales (layered_weights.random_rows, as bench's random: models; speed
+does not depend on the values), rotated past L2; the calls are replayed from a CUDA
 graph (bench qgemv's _us_per_call) on a programmatic stream where the spec's layer-by-layer step (the verify) uses
 one. Prints us a call and the fraction of the read rate measured in the same run
 (bench.gemv.measure_read_gbs). Not a benchmark of record: bench speculative's verify is."""
-import os
 import sys
 import time
 
@@ -16,6 +15,7 @@ import numpy as np
 from lucegen.bench.gemv import measure_read_gbs
 from lucegen.bench.qgemv import _us_per_call, _weights
 from lucegen.codegen.build import build
+from lucegen.engine.layered_weights import random_rows
 from lucegen.kernels import qgemv
 from lucegen.model.config import tiny_config
 from lucegen.runtime import DeviceArray, Stream, device_info
@@ -25,21 +25,6 @@ SHAPES = [("q4_k", "gate/up", 34816, 5120), ("q4_k", "qkv", 10240, 5120), ("q4_k
           ("q4_k", "down", 5120, 17408), ("q6_k", "down", 5120, 17408), ("q6_k", "qkv", 10240, 5120)]
 MS = [int(a) for a in sys.argv[2].split(",")] if len(sys.argv) > 2 else [9, 16, 23]
 only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
-HALVES = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}  # block bytes, the fp16 fields
-
-
-def random_rows(fmt, n, k):
-    """Random blocks (speed does not depend on the values) with small finite fp16 scales, cached across trees."""
-    path = f"/tmp/mma_w_{fmt}_{n}_{k}.npy"
-    if os.path.exists(path):
-        return np.load(path)
-    bs, fields = HALVES[fmt]
-    raw = np.random.default_rng(n + k).integers(0, 256, (n, k // 256, bs), dtype=np.uint8)
-    for at in fields:
-        raw[:, :, at], raw[:, :, at + 1] = 0x00, 0x20
-    raw = raw.reshape(n, -1)
-    np.save(path, raw)
-    return raw
 
 
 spec = load_spec(sys.argv[1] if len(sys.argv) > 1 else "specs/h200.yaml")
@@ -49,14 +34,14 @@ t0 = time.time()
 result = build(spec, tiny_config(), qgemv.units(spec, tiny_config(), pairs))
 print(f"built in {time.time() - t0:.0f} s", flush=True)
 stream = Stream(programmatic=spec.tuning.layered.pdl)  # as the verify step launches them
-rng = np.random.default_rng(1)
+rng, pool = np.random.default_rng(1), {}
 read = measure_read_gbs(spec, stream)
 print(f"read rate {read:.0f} GB/s", flush=True)
 for fmt, label, n, k in SHAPES:
     if only and f"{fmt}:{label}" not in only:
         continue
     module = result.module(f"qgemv_{fmt}")
-    raw = random_rows(fmt, n, k)
+    raw = random_rows(fmt, n, k, rng, pool)
     ws = _weights(raw, fmt, info.l2_bytes)
     op = qgemv.QMatmul(module, spec, fmt, k)  # (the GEMV of the tiny config the units were built for: M = 1 is not timed)
     for m in MS:
