@@ -33,13 +33,13 @@ __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, flo
 // H-wide row: the blocks of a row each take a part of it, every one summing the squares of the whole row in the same
 // order (so the same rstd, bit for bit; the row's ~20-40 KB come from L2). x_out must not be x (the other blocks
 // still read x). `scratch` holds THREADS/32 floats. ZERO_CENTRED = false: the plain w * x_hat of Qwen3RMSNorm (the
-// DFlash draft's norms, draft.cu.j2) instead, the same arithmetic with 0 + w for 1 + w. Where given, h's XBlocks
-// into xq (the quantized GEMVs' activations: qgemv.cuh's qquant_x fused into the kernel that makes the row; q0, q1
-// multiples of 8) and h in bf16 into h16, both from the registers.
+// DFlash draft's norms, draft.cu.j2) instead, the same arithmetic with 0 + w for 1 + w. Where given (xq.p), h's
+// XBlocks into its row xq (the quantized GEMVs' activations: qgemv.cuh's qquant_x fused into the kernel that makes the
+// row; q0, q1 multiples of 8) and h in bf16 into h16, both from the registers.
 template <int H, int THREADS, bool ZERO_CENTRED = true>
 __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                  float eps, float* __restrict__ x_out, float* __restrict__ h, int q0, int q1,
-                                 float* scratch, XBlock* __restrict__ xq, bf16* __restrict__ h16 = nullptr) {
+                                 float* scratch, XRow xq, bf16* __restrict__ h16 = nullptr) {
     static_assert(H % 8 == 0, "RMSNorm width must be a multiple of 8");
     static_assert(THREADS % 32 == 0, "whole warps: 8 lanes hold an XBlock");
     constexpr int QUADS = H / 4, PER_THREAD = (QUADS + THREADS - 1) / THREADS;
@@ -76,9 +76,9 @@ __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __res
             if (h16) store_bf16x4(h16 + 4 * q, n);
         }
         if constexpr (H % 32 == 0)
-            if (xq && __any_sync(0xFFFFFFFFu, mine)) {  // only the warps with quads of the part (a few of PER_THREAD)
+            if (xq.p && __any_sync(0xFFFFFFFFu, mine)) {  // only the warps with quads of the part (a few of PER_THREAD)
                 const XBlockLanes b = quantize_xblock_lanes(n, threadIdx.x % 32);
-                if (mine) b.store(xq + q / 8, threadIdx.x % 32);
+                if (mine) b.store(xq.at(q / 8), threadIdx.x % 32);
             }
     }
 }
@@ -87,7 +87,7 @@ __device__ void add_rmsnorm_part(const float* __restrict__ x, const float* __res
 // into xq (as add_rmsnorm_part; i0 a multiple of 32).
 template <int K, int THREADS>
 __device__ void silu_mul_range(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ act,
-                               int i0, int i1, XBlock* __restrict__ xq) {
+                               int i0, int i1, XRow xq) {
     static_assert(K % 4 == 0 && THREADS % 32 == 0, "rows of whole quads, whole warps");
     const float4* g4 = reinterpret_cast<const float4*>(gate);
     const float4* u4 = reinterpret_cast<const float4*>(up);
@@ -101,9 +101,9 @@ __device__ void silu_mul_range(const float* __restrict__ gate, const float* __re
             reinterpret_cast<float4*>(act)[q] = a;
         }
         if constexpr (K % 32 == 0)
-            if (xq) {
+            if (xq.p) {
                 const XBlockLanes b = quantize_xblock_lanes(a, threadIdx.x % 32);
-                if (mine) b.store(xq + q / 8, threadIdx.x % 32);
+                if (mine) b.store(xq.at(q / 8), threadIdx.x % 32);
             }
     }
 }

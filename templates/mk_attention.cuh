@@ -26,7 +26,7 @@ struct AttentionLayer {
     float* part_acc;        // [n_kv][chunks][G][head_dim] per-item unnormalised outputs
     unsigned* tickets;      // [n_kv], zero between uses
     float* out;             // [n_heads * head_dim] gated attention output
-    XBlock* out_q;          // [n_heads * head_dim / 32] out's XBlocks (the out-projection's activations), or null
+    XRow out_q;             // out's XBlocks (the out-projection's activations), or none (p null)
 };
 
 // How the context of n positions is cut: chunk length and count (the same in every block).
@@ -223,10 +223,10 @@ __device__ void attention_merge(const AttentionLayer& L, int g, int n_chunks, fl
         }
     }
     if constexpr (G * HD % 32 == 0)
-        if (L.out_q != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of theirs
+        if (L.out_q.p != nullptr) {  // kv head g's outputs are whole XBlocks: quantized here, not in a launch of theirs
             __syncthreads();
             for (int i = threadIdx.x; i < G * HD / 32; i += THREADS)
-                L.out_q[g * G * HD / 32 + i] = quantize_xblock(L.out + g * G * HD + 32 * i);
+                *L.out_q.at(g * G * HD / 32 + i) = quantize_xblock(L.out + g * G * HD + 32 * i);
         }
     static_assert(G <= WARPS, "one warp per head");
 }

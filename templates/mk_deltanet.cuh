@@ -287,11 +287,11 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
 
 // Head h's gated RMSNorm (weight w [dv], gate silu(z)) into xs, by the calling warp: one pass over the head's
 // outputs and gates (their loads in flight together) makes w o silu(z) in registers and sums o^2, then each is
-// scaled by 1 / rms(o) and stored. With xq (heads of whole XBlocks: dv a multiple of 32), the head's XBlocks of the
-// row xq starts too, quantized from the registers (quantize_xblock_lanes: quantize_xblock's bytes).
+// scaled by 1 / rms(o) and stored. With xq (heads of whole XBlocks: dv a multiple of 32), the head's XBlocks in the
+// row xq too (quant.cuh's XRow), quantized from the registers (quantize_xblock_lanes: quantize_xblock's bytes).
 template <class M, class XS>
 __device__ __forceinline__ void deltanet_gated_norm_head(const float* out, const float* z, const float* w, XS xs,
-                                                         int h, XBlock* xq = nullptr) {
+                                                         int h, XRow xq = {}) {
     constexpr int DV = M::LIN_DV, QUADS = DV / 4, ROUNDS = (QUADS + 31) / 32;
     static_assert(DV % 4 == 0, "heads are whole float4 quads");
     const int lane = threadIdx.x % 32;
@@ -317,9 +317,9 @@ __device__ __forceinline__ void deltanet_gated_norm_head(const float* out, const
         v[i] = make_float4(v[i].x * rstd, v[i].y * rstd, v[i].z * rstd, v[i].w * rstd);
         if (q < QUADS) xs.quad(h * QUADS + q) = v[i];
         if constexpr (DV % 32 == 0)
-            if (xq != nullptr) {  // (every lane: the shuffles; an XBlock's 8 lanes all hold quads or none)
+            if (xq.p != nullptr) {  // (every lane: the shuffles; an XBlock's 8 lanes all hold quads or none)
                 const XBlockLanes part = quantize_xblock_lanes(v[i], lane);
-                if (q < QUADS) part.store(xq + (h * DV + 4 * q) / 32, lane);
+                if (q < QUADS) part.store(xq.at((h * DV + 4 * q) / 32), lane);
             }
     }
 }

@@ -48,6 +48,16 @@ struct QGemm {
     static constexpr long long ROW_BYTES = row_bytes<F>(K);
     static constexpr int X_SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::XB;  // activations of a slice
     static constexpr long long X_ROW_BYTES = (long long)K * F::XB / F::BLOCK_VALUES;
+    // The activations: XBlocks in quant.cuh's layout (groups of 8 rows slice by slice) for the quantized formats,
+    // fp32 rows for bf16.
+    static constexpr bool XBLOCKS = F::XB % sizeof(XBlock) == 0;
+    static_assert(!XBLOCKS || X_SLICE_BYTES == XSLICE * sizeof(XBlock), "a slice's activations are an XBlock slice");
+    // Bytes into x of activation row m's slice s: x_slot(m) X_ROW_STEP + s X_STEP (an XBlock row's first slot, in
+    // slots; fp32 rows: the row).
+    static constexpr int X_STEP = XBLOCKS ? XGROUP * XSLOT * sizeof(XBlock) : X_SLICE_BYTES;
+    static constexpr long long X_ROW_STEP = XBLOCKS ? XSLOT * sizeof(XBlock) : X_ROW_BYTES;
+    __device__ static int x_slot(int m) { return XBLOCKS ? static_cast<int>(xblock_index(m, 0, SLICES) / XSLOT) : m; }
+    __device__ static long long x_at(int m, int s) { return x_slot(m) * X_ROW_STEP + (long long)s * X_STEP; }
     // A row's slice in the ring: as is (16-byte aligned formats), or widened to 16-byte words from a start that is
     // 2-byte aligned (at most 14 bytes before it).
     static constexpr int SLOT = F::ALIGNED16 ? SLICE_BYTES : (SLICE_BYTES + 14 + 15) / 16 * 16;
@@ -78,7 +88,15 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const auto block = [&](int s) { return live(s) ? b : 0; };
     const auto whole = [&](int s) { return K % SV == 0 || live(s); };  // block(s) == b, for s < SLICES
     const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
-    const auto xrow = [&](int m) { return x + (m0 + min(m, mv - 1)) * Q::X_ROW_BYTES; };
+    // Activation row m's first slice (rows past M: the last one's). An M-tile's XBlock rows lie in one group, or
+    // in whole groups (MT 16): row m0 + i in the slot x_slot(m0) + i, past a first group x_slot(m0) + x_slot(i). (So
+    // written, the M = 8 GEMMs' products stay within their register cap.)
+    static_assert(XGROUP % MT == 0 || MT % XGROUP == 0, "an M-tile's rows are whole groups or in one group");
+    const int x0 = Q::x_slot(m0);
+    const auto xrow = [&](int m) {
+        const int i = min(m, mv - 1);
+        return x + (x0 + (MT > XGROUP ? Q::x_slot(i) : i)) * Q::X_ROW_STEP;
+    };
     const auto slice_bytes = [](int s) { return static_cast<int>(row_bytes<F>(min(SV, K - s * SV))); };
 
     // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u); copied widened to 16-byte words.
@@ -106,8 +124,8 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     // registers this keeps cost no spills; else F::load(block, p) makes it again for each piece): per row j, F::lane
     // at its block in slice 0 (ln; in the ring: in stage 0) or at block 0 (ln0: the lanes past the end of a partial
     // last slice), slice s's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the ring keeps
-    // addresses mod 16); its piece's activations (M = 1), at xl (block 0: xl0) + s X_SLICE_BYTES, in 16-byte words:
-    // so typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
+    // addresses mod 16); its piece's activations (MT = 1), at xl (block 0: xl0) + s Q::X_STEP, in 16-byte words: so
+    // typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
     static_assert(Q::SLICE_BYTES % 4 == 0, "a lane's blocks keep their address mod 4 from slice to slice");
     constexpr bool HOIST = MT <= 4 && ROWS * SPAN <= 2;
     typename F::Lane ln[ROWS], ln0[ROWS];
@@ -122,7 +140,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     };
     constexpr int PIECE_XB = F::XB / F::PIECES;  // a piece's activations (F::dot)
     static_assert(Q::X_ROW_BYTES % 16 == 0 && F::XB % 16 == 0 && PIECE_XB % 16 == 0, "whole 16-byte words");
-    const uint4* xl = reinterpret_cast<const uint4*>(x) + (m0 * Q::X_ROW_BYTES + b * F::XB + p * PIECE_XB) / 16;
+    const uint4* xl = reinterpret_cast<const uint4*>(x) + (Q::x_at(m0, 0) + b * F::XB + p * PIECE_XB) / 16;
     const uint4* xl0 = xl - b * F::XB / 16;
 
     if constexpr (STAGES > 1) {
@@ -155,11 +173,11 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         for (int u = 0; u < SPAN; ++u) {
             const int s = min(s0 + u, SLICES - 1);
             const bool use = live(s0 + u);
-            const long long xs = (long long)s * Q::X_SLICE_BYTES;
+            const int xs = s * Q::X_STEP;
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
-                                                  : xrow(m) + s * Q::X_SLICE_BYTES + block(s) * F::XB + p * PIECE_XB;
+                                                  : xrow(m) + xs + block(s) * F::XB + p * PIECE_XB;
 #pragma unroll
                 for (int j = 0; j < ROWS; ++j)
                     if (use) acc[j][m] = F::dot(pc[u][j], xm, acc[j][m]);
@@ -190,14 +208,18 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block fills
 // STAGES - 1 slices ahead of the one multiplied: the rows' slices (each widened to the 16-byte words around it, as
 // qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation rows' XBlocks of the slice.
-// On sm_90 the copy engine moves them, one bulk copy a row; elsewhere every thread copies 16-byte words of one weight
-// row and one activation row with cp.async (THREADS / ROWS and THREADS / MT threads a row), so where they come from
-// is worked out once. (The bulk copies: 4% faster on the 27B's shapes, results/logs/h200-s23-run4-qgemm-mma-bulk-ab.)
+// On sm_90 the copy engine moves them, one bulk copy a weight row and one an n-tile of 8 activation rows (their
+// slots of the slice lie one after another in quant.cuh's layout; with a copy a row the copies cost Q4_K's gate/up
+// at M = 16 ~10 us of 75, results/logs/h100-s35-run11-13-qgemm-mma-copies.txt); elsewhere every thread copies
+// 16-byte words of one weight row and one activation row with cp.async (THREADS / ROWS and THREADS / MT threads a
+// row), so where they come from is worked out once. (The bulk copies: 4% faster on the 27B's shapes,
+// results/logs/h200-s23-run4-qgemm-mma-bulk-ab.)
 // An activation fragment serves the TILES row tiles: XBlocks are 1.5 bytes a value against Q4_K's 0.56, so at 16 rows a
 // block the activations were most of what a block copied. Read from global memory instead, each piece's activations
 // cost the warp a round trip to L2 between its mma (measured: slower than dp4a). Each row slot is an odd number of
-// 16-byte words, so that the 8 rows (or activation rows) of a fragment load fall in 8 different 4-bank groups. An
-// M-tile's n-tiles of 8 past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
+// 16-byte words (an activation row's: quant.cuh's XSLOT), so that the 8 rows (or activation rows) of a fragment load
+// fall in 8 different 4-bank groups. An M-tile's n-tiles of 8 past M are neither copied nor multiplied: a call pays
+// for M rounded up to 8, not to MT.
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES % 4 == 0 && THREADS == 256, "8 warps take the 32 classes, in quads of pieces");
@@ -207,7 +229,8 @@ struct QGemmMma {
     using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
     static constexpr int ROWS = 16 * TILES;      // weight rows per block
     static constexpr int odd_words(int bytes) { return bytes / 16 % 2 ? bytes : bytes + 16; }
-    static constexpr int W_SLOT = odd_words(Q::SLOT), X_SLOT = odd_words(Q::X_SLICE_BYTES);
+    static constexpr int W_SLOT = odd_words(Q::SLOT);
+    static constexpr int X_SLOT = XSLOT * sizeof(XBlock);  // an activation row's slot: quant.cuh's, odd words
     static constexpr int W_THREADS = THREADS / ROWS, X_THREADS = THREADS / MT;  // copying each row
     static constexpr int W_COPIES = (Q::SLOT / 16 + W_THREADS - 1) / W_THREADS;  // a thread's words of a slice
     static constexpr int X_COPIES = (Q::X_SLICE_BYTES / 16 + X_THREADS - 1) / X_THREADS;
@@ -236,13 +259,13 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     // Where row j starts in W (rows past N: the last row's; their outputs are dropped).
     const auto row_start = [&](int j) { return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES; };
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Slice s into stage s % STAGES by the copy engine, one bulk copy a row: each weight row's bytes from the 16-byte
-    // word holding its first, and the XBlocks of the activation rows in use (rows past M are not copied: what their
-    // slots hold reaches only their outputs, which are dropped). Copy c is lane c / 8 of warp c % 8's (a bulk copy
-    // takes warp-uniform operands, so a warp's are issued one after the other); each warp's lane 0 arrives on the
-    // stage's mbarrier with its copies' bytes. Every warp waits on it, then on the block (every warp is done with
-    // the stage refilled next).
-    constexpr int COPIES = (R::ROWS + MT + 7) / 8;  // a warp's copies at most
+    // Slice s into stage s % STAGES by the copy engine: one bulk copy a weight row, its bytes from the 16-byte word
+    // holding its first, and one an n-tile of activation rows in use, whose slots lie one after another in quant.cuh's
+    // layout (rows past M are not copied: what their slots hold reaches only their outputs, which are dropped). Copy c
+    // is lane c / 8 of warp c % 8's (a bulk copy takes warp-uniform operands, so a warp's are issued one after the
+    // other); each warp's lane 0 arrives on the stage's mbarrier with its copies' bytes. Every warp waits on it, then
+    // on the block (every warp is done with the stage refilled next).
+    constexpr int COPIES = (R::ROWS + NT + 7) / 8;  // a warp's copies at most
     auto* bars = reinterpret_cast<unsigned long long*>(smem + R::BARS);
     const int x_rows = min(8 * nts, M - m0);
     const auto issue = [&](int s) {  // every warp
@@ -258,10 +281,10 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
             const int lead = F::ALIGNED16 ? 0 : static_cast<int>(reinterpret_cast<size_t>(start) & 15);
             bytes = (lead + (last ? R::LAST_BYTES : Q::SLICE_BYTES) + 15) / 16 * 16;
             from = start - lead, to = stage + c * R::W_SLOT;
-        } else if (c < R::ROWS + x_rows) {  // activation row c - ROWS
-            bytes = last ? R::X_LAST_BYTES : Q::X_SLICE_BYTES;
-            from = x + (long long)(m0 + c - R::ROWS) * Q::X_ROW_BYTES + (long long)s * Q::X_SLICE_BYTES;
-            to = stage + R::X_STAGE + (c - R::ROWS) * R::X_SLOT;
+        } else if (c < R::ROWS + nts) {  // n-tile c - ROWS: its activation rows' slots
+            const int nt = c - R::ROWS;
+            bytes = min(8, x_rows - 8 * nt) * R::X_SLOT;
+            from = x + Q::x_at(m0 + 8 * nt, s), to = stage + R::X_STAGE + 8 * nt * R::X_SLOT;
         }
         const unsigned total = __reduce_add_sync(0xFFFFFFFFu, bytes);
         if (lane == 0) mbar_expect_tx(&bars[s % STAGES], total);  // the warp's arrival, before its copies
@@ -282,7 +305,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
     const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
     const unsigned char* const w_row = W + row_start(cj);
-    const unsigned char* const x_words = x + (long long)min(m0 + xm, M - 1) * Q::X_ROW_BYTES + 16 * xw;
+    const unsigned char* const x_words = x + 16 * xw;
     const bool x_copies = xm < 8 * nts, x_real = m0 + xm < M;
     // Where the thread's first words of a stage go (shared-space addresses, worked out once): its copy i lies
     // 16 W_THREADS i (16 X_THREADS i) bytes further, in the shared memory and in the global memory alike.
@@ -304,7 +327,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                 if (16 * (cw + R::W_THREADS * i) < end)
                     cp_async16(w_dst + stage + 16 * R::W_THREADS * i, from + 16 * R::W_THREADS * i, true);
             const int xbytes = last ? R::X_LAST_BYTES : Q::X_SLICE_BYTES;
-            const unsigned char* xfrom = x_words + (long long)s * Q::X_SLICE_BYTES;
+            const unsigned char* xfrom = x_words + Q::x_at(min(m0 + xm, M - 1), s);
 #pragma unroll
             for (int i = 0; i < R::X_COPIES; ++i)
                 if (x_copies && 16 * (xw + R::X_THREADS * i) < xbytes)
@@ -425,10 +448,11 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     }
 }
 
-// X [M, K] fp32 (K a multiple of 32) -> its `blocks` = M * K / 32 XBlocks, in order: one per thread, grid-stride.
-__device__ inline void quantize_x(const float* __restrict__ x, XBlock* __restrict__ out, int blocks) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < blocks; i += gridDim.x * blockDim.x)
-        out[i] = quantize_xblock(x + 32ll * i);
+// X [M, K] fp32 (K = 32 row_blocks) -> its XBlocks in quant.cuh's layout: one per thread, grid-stride.
+__device__ inline void quantize_x(const float* __restrict__ x, XBlock* __restrict__ out, int M, int row_blocks) {
+    const int slices = (row_blocks + XSLICE - 1) / XSLICE;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < M * row_blocks; i += gridDim.x * blockDim.x)
+        out[xblock_index(i / row_blocks, i % row_blocks, slices)] = quantize_xblock(x + 32ll * i);
 }
 
 // out [N, K] fp32 = the values of W's rows (the decode of quant.cuh, alone): one piece per thread, grid-stride.

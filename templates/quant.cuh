@@ -199,6 +199,28 @@ __device__ __forceinline__ XBlockLanes quantize_xblock_lanes(float4 v, int lane)
     return out;
 }
 
+// The XBlocks of activation rows as the quantized products read them: in groups of XGROUP rows (an mma n-tile), in
+// a group slice by slice (XSLICE XBlocks, 1,024 values: a slice of every quantized format's GEMV, qgemv.cuh), in a
+// slice row by row, each row's XBlocks in a slot of XSLOT (the last one unused). So the verify GEMM copies an
+// n-tile's activations of a slice as one run of bytes, rows lie an odd number of 16-byte words apart in it (an mma
+// fragment's 8 rows in 8 different bank groups), and where a row lies depends on its width alone, not on how many
+// rows there are. lucegen/kernels/qgemv.py's xblock_index is the same.
+constexpr int XGROUP = 8, XSLICE = 32, XSLOT = 33;
+static_assert(XSLOT * sizeof(XBlock) / 16 % 2 == 1, "a slot is an odd number of 16-byte words");
+// Row m's XBlock kb, in rows of `slices` slices.
+__host__ __device__ constexpr long long xblock_index(int m, int kb, int slices) {
+    return (((long long)(m / XGROUP) * slices + kb / XSLICE) * XGROUP + m % XGROUP) * XSLOT + kb % XSLICE;
+}
+
+// One row's XBlocks in that layout (p, its first: null for none), for the kernels that quantize a row at a time.
+struct XRow {
+    XBlock* p;
+    __device__ XBlock* at(int kb) const { return p + kb / XSLICE * (XGROUP * XSLOT) + kb % XSLICE; }
+};
+__device__ __forceinline__ XRow xrow(XBlock* xq, int m, int row_blocks) {  // row m of rows of row_blocks XBlocks
+    return {xq ? xq + xblock_index(m, 0, (row_blocks + XSLICE - 1) / XSLICE) : nullptr};
+}
+
 // The sum of the products of the signed bytes of words w[i] and x[i].
 template <int N>
 __device__ __forceinline__ int dot_words(const unsigned (&w)[N], const int (&x)[N]) {

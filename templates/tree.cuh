@@ -53,7 +53,8 @@ struct TreeDeltaNet {
     unsigned* ticket;       // zero between uses (commit: picks the block that writes the ring)
     const float* norm_w;    // [dv] the gated RMSNorm's weight
     float* normed;          // [N][Hv * dv] the nodes' gated RMSNorm of out (with z), or null: out alone
-    XBlock* normed_q;       // [N][Hv * dv / 32] normed's XBlocks (the out-projection's activations), or null
+    XBlock* normed_q;       // normed's XBlocks (the out-projection's activations; node n's as row n of quant.cuh's
+                            // layout), or null
     unsigned* norm_tickets; // [Hv / heads a group] zero between uses (see deltanet_norm_heads)
 };
 
@@ -273,14 +274,14 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
             const size_t row = (size_t)step_node(schedule[s]) * M::LIN_VALUE_DIM;
             const float* z = T.mixed + (size_t)step_node(schedule[s]) * T.stride + C;
             const int h0 = vh / HG * HG;
-            XBlock* const xq = HG == 1 && T.normed_q != nullptr ? T.normed_q + row / 32 : nullptr;
+            const XRow xq = xrow(T.normed_q, step_node(schedule[s]), M::LIN_VALUE_DIM / 32);
             for (int h = h0; h < h0 + HG; ++h)
                 deltanet_gated_norm_head<M>(T.out + row, z, T.norm_w, GlobalQuads{reinterpret_cast<float4*>(T.normed + row)}, h,
-                                            xq);
+                                            HG == 1 ? xq : XRow{});
             if constexpr (HG > 1) {
                 __syncwarp();  // the group's values are written before its XBlocks read them
                 if (T.normed_q != nullptr && lane < HG * DV / 32)
-                    T.normed_q[(row + h0 * DV) / 32 + lane] = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
+                    *xq.at(h0 * DV / 32 + lane) = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
             }
         }
 }
@@ -299,7 +300,7 @@ struct TreeAttention {
     float* part_acc;        // [N][n_kv][chunks][G][head_dim]
     unsigned* tickets;      // [N][n_kv], zero between uses
     float* out;             // [N][n_heads * head_dim] gated attention outputs
-    XBlock* out_q;          // [N][n_heads * head_dim / 32] their XBlocks, or null
+    XBlock* out_q;          // their XBlocks (node n's as row n of quant.cuh's layout), or null
 };
 
 // Node n's K and V row of kv head g into cache row start + n (format KV), as the decode step's item computes its
@@ -354,7 +355,7 @@ __device__ void tree_attention_item(const TreeAttention& T, int item, int node, 
                            reinterpret_cast<bf16*>(T.values),
                            T.part_ml + node * NKV * chunks * G * 2, T.part_acc + node * NKV * chunks * G * HD,
                            T.tickets + node * NKV, T.out + (size_t)node * M::ATT_NH * HD,
-                           T.out_q ? T.out_q + (size_t)node * M::ATT_NH * HD / 32 : nullptr};
+                           xrow(T.out_q, node, M::ATT_NH * HD / 32)};
     const auto rows = [=](int p) { return p < start ? p : start + anc[p - start]; };
     attention_item_gqa<M, THREADS, decltype(rows), ROWS, KV>(L, item, pos, work, flag, rows, writes_kv);
 }

@@ -96,17 +96,16 @@ def kv_values(cache, head_dim: int) -> np.ndarray:
     return cache.a.astype(np.float32) if fmt == "bf16" else kvformats.decode(cache.a, fmt)
 
 
-def write_xblocks(xq, rows: np.ndarray) -> None:
-    """The XBlocks of fp32 rows into a byte buffer (qgemv.xblocks, the kernels' bytes), unless xq is the null
-    argument."""
+def write_xblocks(xq, rows: np.ndarray, at=None) -> None:
+    """The XBlocks of fp32 rows (qgemv.xblocks, the kernels' bytes) into a buffer of XBlocks as its rows `at`
+    (default 0 ..; qgemv.place_xblocks), unless xq is the null argument."""
     if _array(xq) is not None:
-        b = qgemv.xblocks(rows).ravel()
-        xq.a.reshape(-1).view(np.uint8)[:b.size] = b
+        qgemv.place_xblocks(xq.a, qgemv.xblocks(rows), at)
 
 
 def xblock_values(xq, m: int, k: int) -> np.ndarray:
     """float64 [m, k]: the values dx * qx of m rows of XBlocks (what the quantized products multiply)."""
-    b = xq.a.reshape(-1).view(np.uint8)[:m * k // 32 * qgemv.XBLOCK_BYTES].reshape(m, k // 32, qgemv.XBLOCK_BYTES)
+    b = qgemv.xblocks_of(xq.a, m, k).reshape(m, k // 32, qgemv.XBLOCK_BYTES)
     q = b[..., :32].view(np.int8).astype(np.float64)
     d = b[..., 32:36].copy().view(np.float32).astype(np.float64)
     return (q * d).reshape(m, k)
@@ -156,8 +155,8 @@ class LayeredHostKernel:
             for t in range(m):  # row by row: every row the GEMV of that row
                 store(Y[t * ldy:t * ldy + n], W.astype(np.float64) @ X[t].astype(np.float64))
         elif name == "qquant_x":
-            x, out, blocks = args
-            write_xblocks(out, x.a.reshape(-1)[:32 * blocks].reshape(1, -1))
+            x, out, m, row_blocks = args
+            write_xblocks(out, x.a.reshape(-1)[:32 * m * row_blocks].reshape(m, -1))
         elif name == "argmax_f32":
             v, n, out, _, _ = args
             rows = grid[1] if len(grid) > 1 else 1
@@ -202,9 +201,7 @@ class LayeredHostKernel:
                 N = normed.a.reshape(-1, VD)
                 N[rows] = gated_norm_reference(O[rows].reshape(-1, hv, dv), X[rows, C:C + VD].reshape(-1, hv, dv),
                                                norm_w.a, c.rms_norm_eps).reshape(-1, VD)
-                if _array(normed_q) is not None:
-                    Q = normed_q.a.reshape(-1, VD // 32 * qgemv.XBLOCK_BYTES)
-                    Q[rows] = qgemv.xblocks(N[rows]).reshape(len(rows), -1)
+                write_xblocks(normed_q, N[rows], rows)
 
             if not commit:
                 o, _, _ = tree.deltanet_reference(c, X[:nodes], conv_w.a, a_log.a, dt_bias.a, ring.a, state.a,

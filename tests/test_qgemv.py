@@ -119,20 +119,20 @@ def test_mma_sizes_worked_out_by_hand():
     q4k, q6k = qgemv.FORMATS["q4_k"], qgemv.FORMATS["q6_k"]
     t = qgemv.Tuning(256, 1, 16, 1, 3, mma=True)
     # a stage: 16 rows' slices (4 blocks of 144 bytes = 36 words, in slots of 37) and 16 activation rows' XBlocks of
-    # the slice (32 pieces x 48 bytes = 96 words, in slots of 97); 3 stages outgrow the 32 lane classes' sums; then
-    # an 8-byte mbarrier a stage
-    assert t.smem(q4k, 5120) == 3 * (16 * 37 * 16 + 16 * 97 * 16) + 3 * 8
-    assert 3 * (16 * 37 * 16 + 16 * 97 * 16) > 32 * 16 * 16 * 4
+    # the slice (32 XBlocks of 48 bytes = 96 words, in the layout's slots of 33 XBlocks = 99 words); 3 stages outgrow
+    # the 32 lane classes' sums; then an 8-byte mbarrier a stage
+    assert t.smem(q4k, 5120) == 3 * (16 * 37 * 16 + 16 * 99 * 16) + 3 * 8
+    assert 3 * (16 * 37 * 16 + 16 * 99 * 16) > 32 * 16 * 16 * 4
     # Q6_K: 4 blocks of 210 bytes from a 2-byte aligned start widened to 54 words, slots of 55; 8 activation rows
-    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k, 5120) == 2 * (16 * 55 * 16 + 8 * 97 * 16) + 2 * 8
+    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k, 5120) == 2 * (16 * 55 * 16 + 8 * 99 * 16) + 2 * 8
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
     assert t.name(q4k, 5120) == "qgemm_mma_m16_r1_q4_k_k5120_t256_st3"
     # a GEMV with a floor of 6 blocks an SM (a register cap) is a kernel of its own
     assert qgemv.Tuning(256, 1, 1, 1, min_blocks=6).name(q4k, 5120) == "qgemv_q4_k_k5120_r1_s1_t256_mb6"
     # two row tiles: 32 rows' slices a stage; 2 stages outgrow the 32 rows' class sums (64 KB)
     t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
-    assert t2.smem(q4k, 5120) == 2 * (32 * 37 * 16 + 16 * 97 * 16) + 2 * 8
-    assert 2 * (32 * 37 * 16 + 16 * 97 * 16) > 32 * 32 * 16 * 4
+    assert t2.smem(q4k, 5120) == 2 * (32 * 37 * 16 + 16 * 99 * 16) + 2 * 8
+    assert 2 * (32 * 37 * 16 + 16 * 99 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
 
 
@@ -354,7 +354,8 @@ int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 // boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
 // defined): each row's sum from 0 through F::dot with them, piece by piece in K order, after each piece, [rows,
 // pieces], its bytes loaded as qgemv's loop does (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on
-// the floats of `in` (offset 0), or quantize_xblock_lanes, 4 XBlocks a warp of host threads (offset 1).
+// the floats of `in` (offset 0), or quantize_xblock_lanes, 4 XBlocks a warp of host threads (offset 1). With rows =
+// -m: the XBlock layout, xblock_index of XBlock b of row r for rows of k values, [m, k / 32] int64.
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / (F::BLOCK_VALUES / F::PIECES);
     const long row = row_bytes<F>(k);
@@ -389,6 +390,16 @@ template <class F> long dot(const unsigned char* w, const unsigned char* xb, flo
 #endif
 int main(int argc, char** argv) {
     const long n = std::atol(argv[1]);
+    if (n < 0) {
+        const int blocks = std::atoi(argv[2]) / 32;
+        std::vector<long long> at;
+        for (int r = 0; r < -n; ++r)
+            for (int b = 0; b < blocks; ++b) at.push_back(xblock_index(r, b, (blocks + XSLICE - 1) / XSLICE));
+        FILE* f = std::fopen(argv[5], "wb");
+        std::fwrite(at.data(), 8, at.size(), f);
+        std::fclose(f);
+        return 0;
+    }
     if (n == 0) {  // quantize: in = floats, out = their XBlocks
         const int k = std::atoi(argv[2]);
         std::vector<float> x(k + 4);
@@ -521,6 +532,31 @@ def test_device_activation_quantization_is_bit_equal_to_numpy(host_decoders, tmp
     subprocess.run([str(host_decoders["q4_k"]), "0", str(x.size), str(int(lanes)), str(d / "x.bin"), str(d / "xq.bin")],
                    check=True)
     np.testing.assert_array_equal(np.fromfile(d / "xq.bin", np.uint8), qgemv.xblocks(x).ravel())
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 40), blocks=st.integers(1, 100))
+def test_the_xblock_layout_is_numpys_and_keeps_an_n_tiles_slice_together(host_decoders, tmp_path_factory, m, blocks):
+    """quant.cuh's xblock_index (the kernels') is qgemv.xblock_index; every XBlock of m rows has a place of its own
+    inside xblock_bytes, an n-tile's (8 rows') XBlocks of a slice are one run of slots an odd number of 16-byte words
+    apart, and place_xblocks / xblocks_of are inverses."""
+    k, d = 32 * blocks, tmp_path_factory.mktemp("layout")
+    subprocess.run([str(host_decoders["q4_k"]), str(-m), str(k), "0", "-", str(d / "at.bin")], check=True)
+    at = np.fromfile(d / "at.bin", np.int64).reshape(m, blocks)
+    r, b = np.meshgrid(np.arange(m), np.arange(blocks), indexing="ij")
+    np.testing.assert_array_equal(at, qgemv.xblock_index(r, b, k))
+    assert len(np.unique(at)) == at.size and at.max() < qgemv.xblock_bytes(m, k) // qgemv.XBLOCK_BYTES
+    slot = qgemv.XSLOT * qgemv.XBLOCK_BYTES
+    assert slot // 16 % 2 == 1
+    for g in range(0, m, qgemv.XGROUP):  # an n-tile's rows of slice s: consecutive slots
+        rows = np.arange(g, min(g + qgemv.XGROUP, m))
+        for s in range(0, blocks, qgemv.XSLICE):
+            np.testing.assert_array_equal(np.diff(at[rows, s]), qgemv.XSLOT)
+    rng = np.random.default_rng(m * 1000 + blocks)
+    xb = rng.integers(0, 256, (m, blocks * qgemv.XBLOCK_BYTES), np.uint8)
+    buf = np.zeros(qgemv.xblock_bytes(m, k), np.uint8)
+    qgemv.place_xblocks(buf, xb)
+    np.testing.assert_array_equal(qgemv.xblocks_of(buf, m, k), xb)
 
 
 def test_activation_quantization_worked_by_hand():

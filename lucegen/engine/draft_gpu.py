@@ -153,7 +153,7 @@ class GpuDraft:
         po, pml = self.kernels.partial_sizes()
         self.part_o, self.part_ml = f32(po), f32(pml)
         lm_quantized = H % 32 == 0 and any(qgemv.fmt_of(p.fmt).quantizes_x for p in self.target.lm_head.parts)
-        self.hq = DeviceArray.empty(B * H // 32 * qgemv.XBLOCK_BYTES, np.uint8) if lm_quantized else None
+        self.hq = DeviceArray.empty(qgemv.xblock_bytes(B - 1, H), np.uint8) if lm_quantized else None
         self.logits = f32(B - 1, V)
         ring = draft_kernels.window_floats(cfg, self.window)
         self.keys, self.values = f32(ring), f32(ring)
@@ -237,8 +237,8 @@ class GpuDraft:
         nq, att = self.proj.shape[1], self.att.shape[1]
         residual = [self.x, self.x_next]  # each norm reads the first and writes it to the second
 
-        def norm(w, xq=None, h16=None):
-            k.rmsnorm(residual[0], None, w, residual[1], self.h, B, stream=stream, xq=xq, h16=h16)
+        def norm(w, h16=None):
+            k.rmsnorm(residual[0], None, w, residual[1], self.h, B, stream=stream, h16=h16)
             residual.reverse()
 
         for i, L in enumerate(self.layers):
@@ -253,10 +253,11 @@ class GpuDraft:
             norm(L["ln2"], h16=self.h16)
             self.gemm(self.h16, L["gate_up"], self.act16, B, 2 * I, H, "silu", stream=stream)
             self.gemm(self.act16, L["down"], residual[0], B, H, I, "add", stream=stream)
-        norm(self.final_norm, xq=self.hq)
-        xq = None if self.hq is None else self.hq.view(
-            (B - 1) * H // 32 * qgemv.XBLOCK_BYTES, offset_bytes=H // 32 * qgemv.XBLOCK_BYTES)
-        self.project(t.lm_head, rows(self.h, B - 1, H, 1), self.logits, B - 1, stream, xq=xq)
+        # the final norm of depths 1 .. B - 1 alone: the rows the LM head reads, their XBlocks in its layout of B - 1
+        h = rows(self.h, B - 1, H, 1)
+        k.rmsnorm(rows(residual[0], B - 1, H, 1), None, self.final_norm, rows(residual[1], B - 1, H, 1), h, B - 1,
+                  stream=stream, xq=self.hq)
+        self.project(t.lm_head, h, self.logits, B - 1, stream, xq=self.hq)
 
     def forward(self, last_token: int, position: int) -> DeviceArray:
         """Device logits [block_size - 1, vocab] (fp32) of depths 1 .. B - 1 after last_token at `position`, over

@@ -62,12 +62,6 @@ def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
     return a.view((m, width), offset_bytes=4 * first * width)
 
 
-def xblock_rows(xq: DeviceArray | None, m: int, width: int, first: int = 0) -> DeviceArray | None:
-    """The XBlocks of those rows in a buffer of XBlock rows (None: None)."""
-    row = width // 32 * qgemv.XBLOCK_BYTES
-    return None if xq is None else xq.view(m * row, offset_bytes=first * row)
-
-
 class DecodeMixer:
     """The mixers of a step over m consecutive tokens: one 1-node tree (the decode step) per token, each after the
     previous one (its DeltaNet state, conv ring and K/V row updated in place, at position io[0] + t)."""
@@ -85,7 +79,7 @@ class DecodeMixer:
         XBlocks into normed_q (None: none)."""
         s, c = self.step, self.step.cfg
         for t in range(m):
-            norm = (L["norm"], rows(normed, 1, c.value_dim, t), xblock_rows(normed_q, 1, c.value_dim, t))
+            norm = (L["norm"], rows(normed, 1, c.value_dim, t), qgemv.xblock_row(normed_q, t, c.value_dim))
             s.tree.decode_deltanet(rows(mixed, 1, L["lin_in"].n, t), L["conv"], L["a_log"], L["dt_bias"],
                                    s.state.conv[i], s.state.recurrent[i], rows(out, 1, c.value_dim, t), t, s.io,
                                    stream=stream, norm=norm)
@@ -97,7 +91,7 @@ class DecodeMixer:
         for t in range(m):
             s.tree.decode_attention(rows(qkv, 1, L["att_in"].n, t), L["q_norm"], L["k_norm"], s.state.keys[i],
                                     s.state.values[i], rows(out, 1, width, t), t, s.io, stream=stream,
-                                    out_q=xblock_rows(out_q, 1, width, t))
+                                    out_q=qgemv.xblock_row(out_q, t, width))
 
 
 class LayeredStep:
@@ -154,7 +148,7 @@ class LayeredStep:
         # the XBlocks of h, normed, act and the attention output, written by the kernels that make them, where a
         # quantized matrix reads them (else None: the kernels skip them, and the attention output's projection
         # quantizes it itself where the attention cannot: tree.xblocks_in_merge)
-        xq = lambda width: DeviceArray.empty(n * width // 32 * qgemv.XBLOCK_BYTES, np.uint8) \
+        xq = lambda width: DeviceArray.empty(qgemv.xblock_bytes(n, width), np.uint8) \
             if self.quantized(width) else None
         self.hq, self.normedq, self.actq = xq(c.hidden_size), xq(c.value_dim), xq(c.intermediate_size)
         self.attq = xq(c.num_attention_heads * c.head_dim) if tree.xblocks_in_merge(c) else None

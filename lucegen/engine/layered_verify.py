@@ -22,7 +22,7 @@ import numpy as np
 from ..kernels.megakernel import lin_in_rows
 from ..runtime import DeviceArray
 from .base import ContextOverflow
-from .layered import LayeredStep, rows, xblock_rows
+from .layered import LayeredStep, rows
 
 
 class TreeMixer:
@@ -40,7 +40,7 @@ class TreeMixer:
 
     def linear(self, L: Mapping, i: int, mixed, out, m: int, stream, normed, normed_q) -> None:
         s, c = self.step, self.step.cfg
-        norm = (L["norm"], rows(normed, m, c.value_dim), xblock_rows(normed_q, m, c.value_dim))
+        norm = (L["norm"], rows(normed, m, c.value_dim), normed_q)
         s.tree.deltanet(self.tree, rows(mixed, m, L["lin_in"].n), L["conv"], L["a_log"], L["dt_bias"],
                         s.state.conv[i], s.state.recurrent[i], rows(out, m, c.value_dim), 0, s.io, stream=stream,
                         norm=norm)
@@ -51,7 +51,7 @@ class TreeMixer:
         keys, values = s.state.keys[i], s.state.values[i]
         s.tree.attention_kv(self.tree, qkv, L["k_norm"], keys, values, 0, s.io, stream=stream)
         s.tree.attention(self.tree, qkv, L["q_norm"], keys, values, rows(out, m, width), 0, s.io, stream=stream,
-                         out_q=xblock_rows(out_q, m, width))
+                         out_q=out_q)
 
     def commit(self, length: int, stream) -> None:
         """Every layer's commit of the path set on the tree kernels (set_path)."""

@@ -33,6 +33,8 @@ from .repack import q6_k_blocks, q6_k_pairs
 
 DEFAULT_MIX = "q4_k_m"  # the quantization lucegen builds for by default (the 27B's deployment)
 XBLOCK_BYTES = 48  # quant.cuh's XBlock: 32 int8, the fp32 scale, the sum of the 32, the sums of each 16
+XGROUP, XSLICE, XSLOT = 8, 32, 33  # quant.cuh's XBlock layout (xblock_index): groups of 8 rows, slices of 32
+                                   # XBlocks, a row's in a slot of 33
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
 # qgemm_mma's kernels per format, (M-tile, row tiles of 16 a block), and their ring depth; a call takes the one
@@ -168,8 +170,9 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def xblocks(x: np.ndarray) -> np.ndarray:
-    """The bytes [M, K/32 * 48] the qquant_x kernel writes for activations x (quant.cuh's XBlock: the 32 qx as
-    int8, dx, fl(dx * v) for v the sum of the 32 qx, and the sums of qx[0:16] and qx[16:32], all little-endian)."""
+    """The XBlocks [M, K/32 * 48] of activations x, row by row (quant.cuh's XBlock: the 32 qx as int8, dx,
+    fl(dx * v) for v the sum of the 32 qx, and the sums of qx[0:16] and qx[16:32], all little-endian). The GPU holds
+    them in the layout of xblock_index (place_xblocks, xblocks_of)."""
     q, dx, sums = quantize_x(x)
     m, k = q.shape
     out = np.zeros((m, k // 32, XBLOCK_BYTES), np.uint8)
@@ -179,6 +182,47 @@ def xblocks(x: np.ndarray) -> np.ndarray:
     halves = q.reshape(m, k // 32, 2, 16).sum(axis=-1, dtype=np.int32)  # Q6_K's two scales split a block in halves
     out[..., 40:48] = halves.astype("<i4").view(np.uint8).reshape(m, k // 32, 8)
     return out.reshape(m, -1)
+
+
+def xblock_index(m, kb, k: int):
+    """Where row m's XBlock kb lies in a buffer of XBlocks of rows of k values, in XBlocks (quant.cuh's xblock_index):
+    in groups of XGROUP rows, in a group slice by slice (XSLICE XBlocks), in a slice row by row, each row's XBlocks in
+    a slot of XSLOT."""
+    m, kb, slices = np.asarray(m), np.asarray(kb), -(-k // (32 * XSLICE))
+    return ((m // XGROUP * slices + kb // XSLICE) * XGROUP + m % XGROUP) * XSLOT + kb % XSLICE
+
+
+def xblock_bytes(rows: int, k: int) -> int:
+    """Bytes of the XBlocks of `rows` rows of k values on the GPU (whole groups and slots)."""
+    return int(xblock_index(-(-rows // XGROUP) * XGROUP, 0, k)) * XBLOCK_BYTES
+
+
+def xblock_row(xq: DeviceArray | None, m: int, k: int) -> DeviceArray | None:
+    """A buffer of XBlocks of rows of k values from row m's first on: where a kernel that writes one row, as its row
+    0 (a mixer of one token), puts row m (None: None)."""
+    if xq is None:
+        return None
+    at = int(xblock_index(m, 0, k)) * XBLOCK_BYTES
+    return xq.view(xq.nbytes - at, offset_bytes=at)
+
+
+def place_xblocks(buf: np.ndarray, b: np.ndarray, at=None) -> None:
+    """XBlocks b [n, K/32 * 48] (xblocks' rows) into the bytes buf as its rows `at` (default 0 .. n - 1) in the GPU's
+    layout: a host stand-in for the kernels that write them."""
+    b = np.asarray(b, np.uint8).reshape(len(b), -1, XBLOCK_BYTES)
+    m, kb = np.meshgrid(np.arange(len(b)) if at is None else np.asarray(at), np.arange(b.shape[1]), indexing="ij")
+    _xblock_array(buf)[xblock_index(m, kb, 32 * b.shape[1])] = b
+
+
+def xblocks_of(buf: np.ndarray, m: int, k: int) -> np.ndarray:
+    """The XBlocks [m, k/32 * 48] of m rows of k values in the GPU's layout, from its bytes buf (xblocks' form)."""
+    r, kb = np.meshgrid(np.arange(m), np.arange(k // 32), indexing="ij")
+    return _xblock_array(buf)[xblock_index(r, kb, k)].reshape(m, -1)
+
+
+def _xblock_array(buf: np.ndarray) -> np.ndarray:
+    flat = buf.reshape(-1).view(np.uint8)
+    return flat[:flat.size // XBLOCK_BYTES * XBLOCK_BYTES].reshape(-1, XBLOCK_BYTES)
 
 
 def _int_weights(raw: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -320,7 +364,7 @@ class Tuning:
         if self.mma:
             odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
             rows = self.rows_per_block()
-            stage = rows * odd(fmt.slot_bytes) + self.mt * odd(fmt.x_slice_bytes)
+            stage = rows * odd(fmt.slot_bytes) + self.mt * XSLOT * XBLOCK_BYTES
             return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
@@ -458,7 +502,7 @@ class QMatmul:
         self.quant_threads = spec.tuning.qgemv.threads
         # quantized activations: room for a tree verify's rows up front (no allocation in the calls a graph may
         # capture), grown if a call brings more
-        self.xq = DeviceArray.empty(VERIFY_ROWS * k // 32 * XBLOCK_BYTES, np.uint8) if self.quant else None
+        self.xq = DeviceArray.empty(xblock_bytes(VERIFY_ROWS, k), np.uint8) if self.quant else None
 
     def __call__(self, w: DeviceArray, x: DeviceArray, y: DeviceArray, n: int, m: int = 1, stream=None,
                  xq: DeviceArray | None = None, ldy: int | None = None) -> None:
@@ -479,17 +523,18 @@ class QMatmul:
         if t.mt == 1 and m > 1 and ldy != n:
             raise ValueError(f"{t.name(self.fmt, self.k)} writes Y's rows n = {n} apart, not {ldy}")
         if self.quant is not None:
-            blocks = m * self.k // 32
+            nbytes = xblock_bytes(m, self.k)
             if xq is not None:
-                if xq.nbytes < blocks * XBLOCK_BYTES:
-                    raise ValueError(f"xq must hold the {blocks} XBlocks of x [{m}, {self.k}]; got {xq}")
+                if xq.nbytes < nbytes:
+                    raise ValueError(f"xq must hold the XBlocks of x [{m}, {self.k}] ({nbytes} bytes); got {xq}")
                 x = xq
             else:
-                if self.xq.nbytes < blocks * XBLOCK_BYTES:
+                if self.xq.nbytes < nbytes:
                     self.xq.free()
-                    self.xq = DeviceArray.empty(blocks * XBLOCK_BYTES, np.uint8)
+                    self.xq = DeviceArray.empty(nbytes, np.uint8)
+                blocks = m * self.k // 32
                 self.quant(min(self.quant_blocks, -(-blocks // self.quant_threads)), self.quant_threads, x, self.xq,
-                           blocks, stream=stream)
+                           m, self.k // 32, stream=stream)
                 x = self.xq
         self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m,
                         *((ldy,) if t.mt > 1 else ()), smem=t.smem(self.fmt, self.k), stream=stream)

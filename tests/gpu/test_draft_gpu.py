@@ -49,6 +49,7 @@ from lucegen.reference.dflash import draft_forward, random_draft_weights
 from lucegen.reference.weights import tensor_rng
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import spec_for_current_device
+from xblocks import assert_xblocks_of
 from host_layered import bf16_activations, bf16_rounded, draft_block, QuantizedSource
 
 pytestmark = pytest.mark.gpu
@@ -185,7 +186,7 @@ def test_row_kernels_match_their_references(kernels, case):
     x, y = rng.standard_normal((2, m, H), dtype=np.float32)
     w = 1 + 0.1 * rng.standard_normal(H, dtype=np.float32)
     xsum, h = poisoned((m, H)), poisoned((m, H))
-    xq = poisoned(m * H // 32 * qgemv.XBLOCK_BYTES, np.uint8) if H % 32 == 0 else None
+    xq = poisoned(qgemv.xblock_bytes(m, H), np.uint8) if H % 32 == 0 else None
     h16 = poisoned((m, H), ml_dtypes.bfloat16)
     k.rmsnorm(dev(x), dev(y), dev(w), xsum, h, m, xq=xq, h16=h16)
     z = rng.standard_normal(m * I, dtype=np.float32)
@@ -195,7 +196,7 @@ def test_row_kernels_match_their_references(kernels, case):
     x1, h1 = draft.rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
     assert rel_err(xsum.numpy(), x1) < ROW_RTOL and rel_err(h.numpy(), h1) < ROW_RTOL
     if xq is not None:
-        np.testing.assert_array_equal(xq.numpy(), qgemv.xblocks(h.numpy()).ravel())
+        assert_xblocks_of(xq.numpy(), h.numpy())
     np.testing.assert_array_equal(h16.numpy(), h.numpy().astype(ml_dtypes.bfloat16))  # h's own bits, rounded
     np.testing.assert_array_equal(z16.numpy(), z.astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="another buffer"):

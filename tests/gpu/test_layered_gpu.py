@@ -38,6 +38,7 @@ from lucegen.reference import State, decode_step, generate, relative_error
 from lucegen.spec import TENSOR_CORE_FORMATS, spec_for_current_device
 from lucegen.spec_decode.tree import ancestry
 
+from xblocks import assert_xblocks_of
 from host_layered import RATIO3_Q, after, assert_speculation_is_plain_greedy, checkpoint, unquantized
 
 pytestmark = pytest.mark.gpu
@@ -164,14 +165,6 @@ def poisoned(shape, dtype=np.float32):
     return a
 
 
-def assert_xblocks_of(xq, rows: np.ndarray) -> None:
-    """xq holds the XBlocks of rows (qgemv.xblocks, the kernels' quantization bit for bit) and nothing past them."""
-    want = qgemv.xblocks(rows).ravel()
-    got = xq.numpy()
-    np.testing.assert_array_equal(got[:want.size], want)
-    assert (got[want.size:] == 0xFF).all(), "a row kernel wrote past its rows' XBlocks"
-
-
 # rows wider than one block's part, none a whole number of parts (add + RMSNorm: 512 values a block at 256 threads;
 # SiLU x up: 1024), every width whole XBlocks
 WIDE_ROWS = tiny_config(name="wide-rows", hidden_size=2592, intermediate_size=4128)
@@ -187,7 +180,7 @@ def test_row_kernels_split_over_blocks_match_their_references(tmp_path):
     assert k.add_norm_blocks > 1 and k.silu_blocks > 1
     rng = np.random.default_rng(7)
     H, I = cfg.hidden_size, cfg.intermediate_size
-    xq = poisoned_bytes(m * I // 32 * qgemv.XBLOCK_BYTES + 64)
+    xq = poisoned_bytes(qgemv.xblock_bytes(m, I) + 64)
     x, y = rng.standard_normal((m, H), np.float32), rng.standard_normal((m, H), np.float32)
     w = rng.standard_normal(H, np.float32) * np.float32(0.1)
     dx, dy, dw = DeviceArray.from_numpy(x), DeviceArray.from_numpy(y), DeviceArray.from_numpy(w)
@@ -195,7 +188,7 @@ def test_row_kernels_split_over_blocks_match_their_references(tmp_path):
     k.add_rmsnorm(dx, dy, dw, dsum, dh, m, xq=xq)
     x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
     assert relative_error(dsum.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
-    assert_xblocks_of(xq, dh.numpy())
+    assert_xblocks_of(xq.numpy(), dh.numpy())
     with pytest.raises(ValueError, match="another buffer"):
         k.add_rmsnorm(dx, dy, dw, dx, dh, m)
     gu = rng.standard_normal((m, 2 * I), np.float32)
@@ -203,7 +196,7 @@ def test_row_kernels_split_over_blocks_match_their_references(tmp_path):
     xq.fill_bytes(0xFF)
     k.silu_mul(DeviceArray.from_numpy(gu), dact, m, xq=xq)
     assert relative_error(dact.numpy(), layered.silu_mul_reference(gu)) < ROW_RTOL
-    assert_xblocks_of(xq, dact.numpy())
+    assert_xblocks_of(xq.numpy(), dact.numpy())
 
 
 def test_row_kernels_match_their_references(gguf):
@@ -219,12 +212,12 @@ def test_row_kernels_match_their_references(gguf):
     dh, dsum = DeviceArray.empty((m, H), np.float32), DeviceArray.empty((m, H), np.float32)
     dh.fill_bytes(0xFF)
     dsum.fill_bytes(0xFF)
-    xq = poisoned_bytes(m * I // 32 * qgemv.XBLOCK_BYTES + 64)
+    xq = poisoned_bytes(qgemv.xblock_bytes(m, I) + 64)
     k.add_rmsnorm(dx, dy, dw, dsum, dh, m, xq=xq)
     x1, h1 = layered.add_rmsnorm_reference(x, y, w, cfg.rms_norm_eps)
     assert relative_error(dsum.numpy(), x1) < ROW_RTOL and relative_error(dh.numpy(), h1) < ROW_RTOL
     np.testing.assert_array_equal(dx.numpy(), x)  # read only: the sum went to x_out
-    assert_xblocks_of(xq, dh.numpy())  # the fused activation quantization: qquant_x's bytes, no more
+    assert_xblocks_of(xq.numpy(), dh.numpy())  # the fused activation quantization: qquant_x's bytes, no more
     dh.fill_bytes(0xFF)
     dsum.fill_bytes(0xFF)
     k.add_rmsnorm(dx, None, dw, dsum, dh, m)  # no add (the first layer)
@@ -236,7 +229,7 @@ def test_row_kernels_match_their_references(gguf):
     xq.fill_bytes(0xFF)
     k.silu_mul(dgu, dact, m, xq=xq)
     assert relative_error(dact.numpy(), layered.silu_mul_reference(gu)) < ROW_RTOL
-    assert_xblocks_of(xq, dact.numpy())
+    assert_xblocks_of(xq.numpy(), dact.numpy())
     src, dst = rng.standard_normal((m, 7), np.float32), rng.standard_normal((m, 20), np.float32)
     dsrc, ddst = DeviceArray.from_numpy(src), DeviceArray.from_numpy(dst)
     k.place(dsrc, ddst, 7, 20, 9, m)

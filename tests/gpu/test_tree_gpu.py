@@ -28,6 +28,8 @@ from lucegen.reference import relative_error
 from lucegen.runtime import DeviceArray, synchronize
 from lucegen.spec import spec_for_current_device
 
+import xblocks
+
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,7 +108,7 @@ def run_deltanet(k: tree.TreeKernels, x, parents, start, path=None, norm_w=None)
     d = {name: dev(a) for name, a in x.items()}
     n, VD = len(parents), k.cfg.value_dim
     out = poisoned((n, VD), np.float32)
-    normed, normed_q = poisoned((n, VD), np.float32), poisoned(n * VD // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8)
+    normed, normed_q = poisoned((n, VD), np.float32), poisoned(qgemv.xblock_bytes(n, VD) + 64, np.uint8)
     norm = None if norm_w is None else (dev(norm_w), normed, normed_q)
     k.deltanet(t, d["mixed"], d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], out, start, norm=norm)
     if path is not None:
@@ -124,8 +126,8 @@ def norm_inputs(cfg, rng) -> np.ndarray:
 
 
 def assert_normed(cfg, out, mixed, w, normed, normed_q) -> None:
-    """normed is the gated RMSNorm of out (gate z from mixed) and normed_q its XBlocks (qgemv.xblocks, bit for bit),
-    nothing written past them."""
+    """normed is the gated RMSNorm of out (gate z from mixed) and normed_q its XBlocks in the layout of its rows, bit
+    for bit, nothing else written (xblocks.assert_xblocks_of)."""
     n, hv, dv, C, VD = len(out), cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim, cfg.value_dim
     want = gated_norm_reference(out.reshape(n, hv, dv), mixed[:n, C:C + VD].reshape(n, hv, dv), w,
                                 cfg.rms_norm_eps).reshape(n, VD)
@@ -180,7 +182,7 @@ def test_deltanet_commit_is_sequential_decode(kernels, model, kind, n, start, se
     for i, node in enumerate(path):  # the decode step, token by token, with the gated norm
         step = dev(x["mixed"][node:node + 1])
         normed = poisoned((1, k.cfg.value_dim), np.float32)
-        normed_q = poisoned(k.cfg.value_dim // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8)
+        normed_q = poisoned(qgemv.xblock_bytes(1, k.cfg.value_dim) + 64, np.uint8)
         k.decode_deltanet(step, d["conv_w"], d["a_log"], d["dt_bias"], d["ring"], d["state"], o, start + i,
                           norm=(dev(w), normed, normed_q))
         synchronize()
@@ -208,7 +210,7 @@ def run_attention(k: tree.TreeKernels, x, parents, start, path=None):
         buf.view((len(parents), k.cfg.kv_dim), BF16, start * k.cfg.kv_dim * 2).fill_bytes(0xFF)
     width = k.cfg.num_attention_heads * k.cfg.head_dim
     out = poisoned((len(parents), width), np.float32)
-    out_q = poisoned(len(parents) * width // 32 * qgemv.XBLOCK_BYTES + 64, np.uint8) \
+    out_q = poisoned(qgemv.xblock_bytes(len(parents), width) + 64, np.uint8) \
         if tree.xblocks_in_merge(k.cfg) else None
     k.attention_kv(t, d["qkv"], d["k_norm"], d["keys"], d["values"], start)
     k.attention(t, d["qkv"], d["q_norm"], d["keys"], d["values"], out, start, out_q=out_q)
@@ -219,11 +221,9 @@ def run_attention(k: tree.TreeKernels, x, parents, start, path=None):
 
 
 def assert_xblocks_of(got: np.ndarray | None, rows: np.ndarray) -> None:
-    """got (where given) holds the XBlocks of rows (qgemv.xblocks, bit for bit) and nothing past them."""
+    """got (where given) holds the XBlocks of rows and nothing else (xblocks.assert_xblocks_of)."""
     if got is not None:
-        want = qgemv.xblocks(rows).ravel()
-        np.testing.assert_array_equal(got[:want.size], want)
-        assert (got[want.size:] == 0xFF).all(), "XBlocks written past the rows"
+        xblocks.assert_xblocks_of(got, rows)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
