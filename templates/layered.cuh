@@ -9,15 +9,15 @@
 
 namespace lucegen {
 
-// x (fp32 [K]) = row `id` of an embedding table in format F (its values exactly as quants.dequantize gives them).
+// x (fp32 [K]) = row `id` of an embedding table in format F (quant.cuh's layout; its values exactly as
+// quants.dequantize gives them).
 template <class F, int K, int THREADS>
 __device__ void embed_row_q(const unsigned char* __restrict__ table, int id, float* __restrict__ x) {
     static_assert(K % F::ROW_VALUES == 0, "embedding rows are whole GGUF blocks");
     constexpr int PIECES = K / (F::BLOCK_VALUES / F::PIECES);
-    const unsigned char* row = table + (size_t)id * row_bytes<F>(K);
     for (int t = threadIdx.x; t < PIECES; t += THREADS) {
         const int b = t / F::PIECES, p = t % F::PIECES;
-        const auto pc = F::load(row + (size_t)b * F::BLOCK_BYTES, p);
+        const auto pc = F::load(table + wblock_offset<F>(id, b, K), p);
 #pragma unroll
         for (int r = 0; r < F::RUNS; ++r) {
             float w[8];

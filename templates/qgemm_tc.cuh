@@ -75,7 +75,7 @@ __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const u
 // lanes of a row decode two sub-blocks' scales each and pass them round. Weights fl16(q s + b), s = fl16(d sc),
 // b = fl16(-(dmin m)).
 struct TcQ4K {
-    static constexpr int BLOCK_BYTES = 144;
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, TILE = WTILE;  // W as quant.cuh lays Q4_K out
 
     // sub-block j's fp16 scale and bias as one word (scale in the low half)
     __device__ static unsigned scale_bias(int j, const uint4& h) {
@@ -163,10 +163,9 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
     float(*partial)[TILES][NT][32][4] = reinterpret_cast<float(*)[TILES][NT][32][4]>(smem + WARPS * STAGES * STAGE);
     const int n0 = blockIdx.x * ROWS_W, blocks = K / 256;
     const int s0 = warp * blocks / WARPS, s1 = (warp + 1) * blocks / WARPS;
-    const size_t row_bytes = (size_t)blocks * F::BLOCK_BYTES;
-    const auto row = [&](int j) { return W + min(n0 + j, N - 1) * row_bytes; };  // the warp's row j
+    const auto row = [&](int j) { return W + wblock_offset<F>(min(n0 + j, N - 1), 0, K); };  // the warp's row j
     // The lane's copies, the same for every super-block: copy i is 16-byte word ch of row j's block (c = lane + 32 i
-    // = j CHUNKS + ch), from src[i] + s BLOCK_BYTES into dst[i] (< 0: no copy).
+    // = j CHUNKS + ch), from src[i] + s TILE BLOCK_BYTES (quant.cuh's layout) into dst[i] (< 0: no copy).
     constexpr int COPIES = (ROWS_W * CHUNKS + 31) / 32;
     const unsigned char* src[COPIES];
     int dst[COPIES];
@@ -180,7 +179,7 @@ __device__ void qgemm_tc(const unsigned char* __restrict__ W, const __half* __re
     const auto issue = [&](int s) {  // super-block s of the warp's rows into its stage, if s is in the warp's share
         if (s < s1) {
             unsigned char* const stage = stages + (s - s0) % STAGES * STAGE;
-            const size_t step = (size_t)s * F::BLOCK_BYTES;
+            const size_t step = (size_t)s * F::TILE * F::BLOCK_BYTES;
 #pragma unroll
             for (int i = 0; i < COPIES; ++i)
                 if (dst[i] >= 0) cp_async16(stage + dst[i], src[i] + step, true);

@@ -46,6 +46,10 @@ struct QGemm {
     static constexpr int SLICES = (K + SLICE_VALUES - 1) / SLICE_VALUES;
     static constexpr int ITEMS = (SLICES + SPAN - 1) / SPAN;
     static constexpr long long ROW_BYTES = row_bytes<F>(K);
+    // W in quant.cuh's layout (tiles of F::TILE rows, block by block): a row's next block BLOCK_STEP bytes further,
+    // its next slice SLICE_STEP.
+    static constexpr int BLOCK_STEP = F::TILE * F::BLOCK_BYTES;
+    static constexpr long long SLICE_STEP = SLICE_BYTES * (long long)F::TILE;
     static constexpr int X_SLICE_BYTES = SLICE_VALUES / F::BLOCK_VALUES * F::XB;  // activations of a slice
     static constexpr long long X_ROW_BYTES = (long long)K * F::XB / F::BLOCK_VALUES;
     // The activations: XBlocks in quant.cuh's layout (groups of 8 rows slice by slice) for the quantized formats,
@@ -87,7 +91,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     const auto live = [&](int s) { return s < SLICES && lane * PV < min(SV, K - s * SV); };
     const auto block = [&](int s) { return live(s) ? b : 0; };
     const auto whole = [&](int s) { return K % SV == 0 || live(s); };  // block(s) == b, for s < SLICES
-    const auto row_start = [&](int j) { return (r0 + min(j, nrows - 1)) * Q::ROW_BYTES; };  // bytes into W
+    const auto row_start = [&](int j) { return wblock_offset<F>(r0 + min(j, nrows - 1), 0, K); };  // bytes into W
     // Activation row m's first slice (rows past M: the last one's). An M-tile's XBlock rows lie in one group, or
     // in whole groups (MT 16): row m0 + i in the slot x_slot(m0) + i, past a first group x_slot(m0) + x_slot(i). (So
     // written, the M = 8 GEMMs' products stay within their register cap.)
@@ -99,7 +103,8 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     };
     const auto slice_bytes = [](int s) { return static_cast<int>(row_bytes<F>(min(SV, K - s * SV))); };
 
-    // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u); copied widened to 16-byte words.
+    // The ring (STAGES > 1): item t's row j, slice t * SPAN + u at slot(t, j, u), its blocks one after another;
+    // copied widened to 16-byte words (plain rows), or block by block (tiles: 16-byte multiples).
     unsigned char* ring = smem + warp * (STAGES * Q::ITEM_BYTES);
     const auto slot = [&](int t, int j, int u) { return ring + (t % max(STAGES, 1)) * Q::ITEM_BYTES + (j * SPAN + u) * Q::SLOT; };
     const auto issue = [&](int t) {  // every lane: its share of item t's copies (if any); always one commit group
@@ -107,36 +112,46 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
             for (int u = 0; u < SPAN; ++u) {
                 const int s = t * SPAN + u;
                 if (j >= nrows || s >= SLICES) continue;
-                const long long start = row_start(j) + (long long)s * Q::SLICE_BYTES, from = start & ~15ll;
-                const int words = static_cast<int>((start + slice_bytes(s) + 15 - from) / 16);
-                for (int c = lane; c < words; c += 32) cp_async16(slot(t, j, u) + 16 * c, W + from + 16 * c, true);
+                const long long start = row_start(j) + s * Q::SLICE_STEP;
+                if constexpr (F::TILE > 1) {
+                    static_assert(F::ALIGNED16, "tiles' blocks are whole 16-byte words");
+                    constexpr int BW = F::BLOCK_BYTES / 16;
+                    for (int c = lane; c < slice_bytes(s) / 16; c += 32)
+                        cp_async16(slot(t, j, u) + 16 * c, W + start + c / BW * Q::BLOCK_STEP + 16 * (c % BW), true);
+                } else {
+                    const long long from = start & ~15ll;
+                    const int words = static_cast<int>((start + slice_bytes(s) + 15 - from) / 16);
+                    for (int c = lane; c < words; c += 32) cp_async16(slot(t, j, u) + 16 * c, W + from + 16 * c, true);
+                }
             }
         cp_async_commit();
     };
-    // Row j's bytes of slice s (item t, position u) where the lanes decode them: the ring or global memory.
+    // Row j's bytes of slice s (item t, position u) where the lanes decode them, its blocks BSTEP bytes apart: the
+    // ring or global memory.
+    constexpr int BSTEP = STAGES > 1 ? F::BLOCK_BYTES : Q::BLOCK_STEP;
     const auto bytes = [&](int t, int j, int u, int s) -> const unsigned char* {
         if constexpr (STAGES > 1)
-            return slot(t, j, u) + (F::ALIGNED16 ? 0 : static_cast<int>((row_start(j) + (long long)s * Q::SLICE_BYTES) & 15));
-        return W + row_start(j) + (long long)s * Q::SLICE_BYTES;
+            return slot(t, j, u) + (F::ALIGNED16 ? 0 : static_cast<int>((row_start(j) + s * Q::SLICE_STEP) & 15));
+        return W + row_start(j) + s * Q::SLICE_STEP;
     };
 
     // What this lane's loads have in common, made once before the loop (HOIST: where an item is small enough that the
     // registers this keeps cost no spills; else F::load(block, p) makes it again for each piece): per row j, F::lane
     // at its block in slice 0 (ln; in the ring: in stage 0) or at block 0 (ln0: the lanes past the end of a partial
     // last slice), slice s's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the ring keeps
-    // addresses mod 16); its piece's activations (MT = 1), at xl (block 0: xl0) + s Q::X_STEP, in 16-byte words: so
+    // addresses mod 16, tiles' blocks are 16-byte multiples); its piece's activations (MT = 1), at xl (block 0: xl0) + s Q::X_STEP, in 16-byte words: so
     // typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
     static_assert(Q::SLICE_BYTES % 4 == 0, "a lane's blocks keep their address mod 4 from slice to slice");
     constexpr bool HOIST = MT <= 4 && ROWS * SPAN <= 2;
     typename F::Lane ln[ROWS], ln0[ROWS];
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
-        ln[j] = F::lane(bytes(0, j, 0, 0) + b * F::BLOCK_BYTES, p);
+        ln[j] = F::lane(bytes(0, j, 0, 0) + b * BSTEP, p);
         ln0[j] = F::lane(bytes(0, j, 0, 0), p);
     }
     const auto delta = [&](int t, int j, int u, int s) -> long long {
         if constexpr (STAGES > 1) return bytes(t, j, u, s) - bytes(0, j, 0, 0);
-        return (long long)s * Q::SLICE_BYTES;
+        return s * Q::SLICE_STEP;
     };
     constexpr int PIECE_XB = F::XB / F::PIECES;  // a piece's activations (F::dot)
     static_assert(Q::X_ROW_BYTES % 16 == 0 && F::XB % 16 == 0 && PIECE_XB % 16 == 0, "whole 16-byte words");
@@ -162,12 +177,12 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         const int s0 = t * SPAN;
         typename F::Piece pc[SPAN][ROWS];
 #pragma unroll
-        for (int u = 0; u < SPAN; ++u) {
-            const int s = min(s0 + u, SLICES - 1);
+        for (int u = 0; u < SPAN; ++u) {  // (block(s) written as whole(s) ? b : 0, so that the M = 8 GEMMs on
+            const int s = min(s0 + u, SLICES - 1);  // tiles stay within their register cap without spills)
 #pragma unroll
             for (int j = 0; j < ROWS; ++j)
                 pc[u][j] = HOIST ? F::load(whole(s) ? ln[j] : ln0[j], delta(t, j, u, s))
-                                 : F::load(bytes(t, j, u, s) + block(s) * F::BLOCK_BYTES, p);
+                                 : F::load(bytes(t, j, u, s) + (whole(s) ? b * BSTEP : 0), p);
         }
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
@@ -206,35 +221,34 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // butterfly order.
 //
 // Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block fills
-// STAGES - 1 slices ahead of the one multiplied: the rows' slices (each widened to the 16-byte words around it, as
-// qgemm's ring, for formats whose blocks are not 16-byte multiples) and the activation rows' XBlocks of the slice.
-// On sm_90 the copy engine moves them, one bulk copy a weight row and one an n-tile of 8 activation rows (their
-// slots of the slice lie one after another in quant.cuh's layout; with a copy a row the copies cost Q4_K's gate/up
-// at M = 16 ~10 us of 75, results/logs/h100-s35-run11-13-qgemm-mma-copies.txt); elsewhere every thread copies
-// 16-byte words of one weight row and one activation row with cp.async (THREADS / ROWS and THREADS / MT threads a
-// row), so where they come from is worked out once. (The bulk copies: 4% faster on the 27B's shapes,
-// results/logs/h200-s23-run4-qgemm-mma-bulk-ab.)
+// STAGES - 1 slices ahead of the one multiplied: each row tile's slice and each n-tile's XBlocks of the slice, one
+// run of bytes each in quant.cuh's layouts (W in tiles of 16 rows block by block, the XBlocks in groups of 8 rows
+// slice by slice). On sm_90 the copy engine moves them, one bulk copy a run (with a copy a row, the 48 copies of a
+// stage cost Q4_K's gate/up at M = 16 ~20 of its 75 us: results/logs/h100-s35-run11-13-qgemm-mma-copies.txt,
+// h100-s36-run1-3-xblock-layout.txt); elsewhere every thread copies 16-byte words of one row tile's run and one
+// activation row with cp.async (THREADS / TILES and THREADS / MT threads each), so where they come from is worked out
+// once. (The bulk copies: 4% faster on the 27B's shapes, results/logs/h200-s23-run4-qgemm-mma-bulk-ab.)
 // An activation fragment serves the TILES row tiles: XBlocks are 1.5 bytes a value against Q4_K's 0.56, so at 16 rows a
 // block the activations were most of what a block copied. Read from global memory instead, each piece's activations
-// cost the warp a round trip to L2 between its mma (measured: slower than dp4a). Each row slot is an odd number of
-// 16-byte words (an activation row's: quant.cuh's XSLOT), so that the 8 rows (or activation rows) of a fragment load
-// fall in 8 different 4-bank groups. An M-tile's n-tiles of 8 past M are neither copied nor multiplied: a call pays
-// for M rounded up to 8, not to MT.
+// cost the warp a round trip to L2 between its mma (measured: slower than dp4a). In a stage a tile's rows lie
+// BLOCK_BYTES apart (144 and 432 bytes: 4 and 12 banks, so a fragment's 8 rows fall in 8 different 4-bank groups)
+// and the activation rows an odd number of 16-byte words (quant.cuh's XSLOT), likewise. An M-tile's n-tiles of 8
+// past M are neither copied nor multiplied: a call pays for M rounded up to 8, not to MT.
 template <class F, int K, int MT, int TILES, int STAGES, int THREADS>
 struct QGemmMma {
     static_assert(F::MMA && F::PIECES % 4 == 0 && THREADS == 256, "8 warps take the 32 classes, in quads of pieces");
     static_assert(MT % 8 == 0, "activation rows in mma tiles of 8");
     static_assert(TILES == 1 || TILES == 2, "one or two row tiles of 16");
     static_assert(STAGES >= 2, "a ring holds the slice being multiplied and at least one ahead");
+    static_assert(F::TILE == 16 && F::ALIGNED16, "W in tiles of an mma row tile, whole 16-byte words (quant.cuh)");
     using Q = QGemm<F, K, 1, 1, 1, 0, THREADS>;  // the slice geometry of qgemm
     static constexpr int ROWS = 16 * TILES;      // weight rows per block
-    static constexpr int odd_words(int bytes) { return bytes / 16 % 2 ? bytes : bytes + 16; }
-    static constexpr int W_SLOT = odd_words(Q::SLOT);
+    static constexpr int W_TILE = 16 * Q::SLICE_BYTES;  // a row tile's slice: its 16 rows' blocks, block by block
     static constexpr int X_SLOT = XSLOT * sizeof(XBlock);  // an activation row's slot: quant.cuh's, odd words
-    static constexpr int W_THREADS = THREADS / ROWS, X_THREADS = THREADS / MT;  // copying each row
-    static constexpr int W_COPIES = (Q::SLOT / 16 + W_THREADS - 1) / W_THREADS;  // a thread's words of a slice
+    static constexpr int W_THREADS = THREADS / TILES, X_THREADS = THREADS / MT;  // copying each run
+    static constexpr int W_COPIES = (W_TILE / 16 + W_THREADS - 1) / W_THREADS;  // a thread's words of a slice
     static constexpr int X_COPIES = (Q::X_SLICE_BYTES / 16 + X_THREADS - 1) / X_THREADS;
-    static constexpr int X_STAGE = ROWS * W_SLOT;  // where a stage's activations start
+    static constexpr int X_STAGE = TILES * W_TILE;  // where a stage's activations start
     static constexpr int STAGE_BYTES = X_STAGE + MT * X_SLOT;
     static constexpr int RING = STAGES * STAGE_BYTES;
     static constexpr int RED = 32 * ROWS * MT * 4;  // the class sums of the block's outputs (after the ring's use)
@@ -256,16 +270,15 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     const int m0 = (blockIdx.x % mtiles) * MT, r0 = (blockIdx.x / mtiles) * R::ROWS;
     const int nts = min(NT, (M - m0 + 7) / 8);  // the n-tiles holding activation rows
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // Where row j starts in W (rows past N: the last row's; their outputs are dropped).
-    const auto row_start = [&](int j) { return (long long)min(r0 + j, N - 1) * Q::ROW_BYTES; };
+    // Where row tile i's slice 0 starts in W (tiles past N's: the last one's; their outputs are dropped).
+    const auto tile_start = [&](int i) { return wblock_offset<F>(min(r0 + 16 * i, (N - 1) / 16 * 16), 0, K); };
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Slice s into stage s % STAGES by the copy engine: one bulk copy a weight row, its bytes from the 16-byte word
-    // holding its first, and one an n-tile of activation rows in use, whose slots lie one after another in quant.cuh's
-    // layout (rows past M are not copied: what their slots hold reaches only their outputs, which are dropped). Copy c
+    // Slice s into stage s % STAGES by the copy engine: one bulk copy a row tile and one an n-tile of activation rows
+    // in use (rows past M are not copied: what their slots hold reaches only their outputs, which are dropped). Copy c
     // is lane c / 8 of warp c % 8's (a bulk copy takes warp-uniform operands, so a warp's are issued one after the
     // other); each warp's lane 0 arrives on the stage's mbarrier with its copies' bytes. Every warp waits on it, then
     // on the block (every warp is done with the stage refilled next).
-    constexpr int COPIES = (R::ROWS + NT + 7) / 8;  // a warp's copies at most
+    constexpr int COPIES = (TILES + NT + 7) / 8;  // a warp's copies at most
     auto* bars = reinterpret_cast<unsigned long long*>(smem + R::BARS);
     const int x_rows = min(8 * nts, M - m0);
     const auto issue = [&](int s) {  // every warp
@@ -276,13 +289,11 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         unsigned bytes = 0;
         const unsigned char* from = W;
         unsigned char* to = stage;
-        if (c < R::ROWS) {  // weight row c
-            const unsigned char* start = W + row_start(c) + (long long)s * Q::SLICE_BYTES;
-            const int lead = F::ALIGNED16 ? 0 : static_cast<int>(reinterpret_cast<size_t>(start) & 15);
-            bytes = (lead + (last ? R::LAST_BYTES : Q::SLICE_BYTES) + 15) / 16 * 16;
-            from = start - lead, to = stage + c * R::W_SLOT;
-        } else if (c < R::ROWS + nts) {  // n-tile c - ROWS: its activation rows' slots
-            const int nt = c - R::ROWS;
+        if (c < TILES) {  // row tile c
+            bytes = 16 * (last ? R::LAST_BYTES : Q::SLICE_BYTES);
+            from = W + tile_start(c) + s * Q::SLICE_STEP, to = stage + c * R::W_TILE;
+        } else if (c < TILES + nts) {  // n-tile c - TILES: its activation rows' slots
+            const int nt = c - TILES;
             bytes = min(8, x_rows - 8 * nt) * R::X_SLOT;
             from = x + Q::x_at(m0 + 8 * nt, s), to = stage + R::X_STAGE + 8 * nt * R::X_SLOT;
         }
@@ -297,31 +308,29 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     if (threadIdx.x == 0) fence_barrier_init();
     __syncthreads();  // the barriers are initialised
 #else
-    static_assert(THREADS % MT == 0 && THREADS % R::ROWS == 0, "cp.async copies: whole threads a row");
-    // This thread's copies: words cw + W_THREADS i of weight row cj's slot, words xw + X_THREADS i of activation
-    // row xm's (rows of n-tiles past nts: none). Rows past M are zeros, read from nowhere (their outputs are
+    static_assert(THREADS % MT == 0 && THREADS % TILES == 0, "cp.async copies: whole threads a run");
+    // This thread's copies: words cw + W_THREADS i of row tile cj's run, words xw + X_THREADS i of activation row
+    // xm's slot (rows of n-tiles past nts: none). Rows past M are zeros, read from nowhere (their outputs are
     // dropped): copied from the last row, each copy of the same words at once cost the block ~2 us a duplicate row
     // (results/logs/h200-s12-run3-qgemm-mma-ab: Q4_K at M = 2, 57 -> 40 us; at M = 9, 65 -> 52).
     const int cj = threadIdx.x / R::W_THREADS, cw = threadIdx.x % R::W_THREADS;
     const int xm = threadIdx.x / R::X_THREADS, xw = threadIdx.x % R::X_THREADS;
-    const unsigned char* const w_row = W + row_start(cj);
+    const unsigned char* const w_words = W + tile_start(cj) + 16 * cw;
     const unsigned char* const x_words = x + 16 * xw;
     const bool x_copies = xm < 8 * nts, x_real = m0 + xm < M;
     // Where the thread's first words of a stage go (shared-space addresses, worked out once): its copy i lies
     // 16 W_THREADS i (16 X_THREADS i) bytes further, in the shared memory and in the global memory alike.
-    const unsigned w_dst = shared_addr(smem) + cj * R::W_SLOT + 16 * cw;
+    const unsigned w_dst = shared_addr(smem) + cj * R::W_TILE + 16 * cw;
     const unsigned x_dst = shared_addr(smem) + R::X_STAGE + xm * R::X_SLOT + 16 * xw;
-    // Slice s into stage s % STAGES with cp.async, by every thread: each weight row's bytes from the 16-byte word
-    // holding its first, and the XBlocks of the activation rows of the n-tiles in use. Every thread waits for its
-    // copies, then on the block (every thread's have landed; every warp is done with the stage refilled next).
+    // Slice s into stage s % STAGES with cp.async, by every thread: each row tile's run and the XBlocks of the
+    // activation rows of the n-tiles in use. Every thread waits for its copies, then on the block (every thread's have
+    // landed; every warp is done with the stage refilled next).
     const auto issue = [&](int s) {  // always one commit group
         if (s < Q::SLICES) {
             const unsigned stage = (s % STAGES) * R::STAGE_BYTES;
             const bool last = s == Q::SLICES - 1;
-            const unsigned char* start = w_row + (long long)s * Q::SLICE_BYTES;
-            const int lead = F::ALIGNED16 ? 0 : static_cast<int>(reinterpret_cast<size_t>(start) & 15);
-            const unsigned char* from = start - lead + 16 * cw;
-            const int end = lead + (last ? R::LAST_BYTES : Q::SLICE_BYTES);  // past the slice's last byte
+            const unsigned char* from = w_words + s * Q::SLICE_STEP;
+            const int end = 16 * (last ? R::LAST_BYTES : Q::SLICE_BYTES);  // past the run's last byte
 #pragma unroll
             for (int i = 0; i < R::W_COPIES; ++i)
                 if (16 * (cw + R::W_THREADS * i) < end)
@@ -349,11 +358,6 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     constexpr int QUADS = F::PIECES / 4;  // a block's
     const int q = warp % QUADS;
     const int wb = warp / QUADS;  // the warp's block in every slice
-    int skew[TILES][2];       // where the lane's rows 16 tile + g + 8i start, mod 16
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) skew[tile][i] = static_cast<int>(row_start(16 * tile + g + 8 * i) & 15);
     wait_for_prior_grids();   // the activations are the kernel before's
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
@@ -370,9 +374,8 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-            for (int i = 0; i < 2; ++i)  // row 16 tile + g + 8i's block, (row start + s SLICE_BYTES) mod 16 in
-                raw[tile][i] = F::mma_raw(stage + (16 * tile + g + 8 * i) * R::W_SLOT +
-                                          ((skew[tile][i] + s * Q::SLICE_BYTES) & 15) + wb * F::BLOCK_BYTES, q, t);
+            for (int i = 0; i < 2; ++i)  // row 16 tile + g + 8i's block wb of the slice
+                raw[tile][i] = F::mma_raw(stage + tile * R::W_TILE + (16 * wb + g + 8 * i) * F::BLOCK_BYTES, q, t);
         // the warp's block's XBlocks in a stage's activation rows
         const unsigned char* xb = stage + R::X_STAGE + wb * F::XB;
 #pragma unroll
@@ -459,12 +462,11 @@ __device__ inline void quantize_x(const float* __restrict__ x, XBlock* __restric
 template <class F>
 __device__ void qdequant(const unsigned char* __restrict__ W, float* __restrict__ out, int N, int K) {
     const int pieces = K / (F::BLOCK_VALUES / F::PIECES);
-    const long long row = row_bytes<F>(K);
     for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < (long long)N * pieces;
          t += (long long)gridDim.x * blockDim.x) {
         const long long n = t / pieces;
         const int b = static_cast<int>(t % pieces) / F::PIECES, p = static_cast<int>(t % pieces) % F::PIECES;
-        const auto pc = F::load(W + n * row + (long long)b * F::BLOCK_BYTES, p);
+        const auto pc = F::load(W + wblock_offset<F>(static_cast<int>(n), b, K), p);
 #pragma unroll
         for (int r = 0; r < F::RUNS; ++r) {
             float w[8];

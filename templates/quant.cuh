@@ -7,6 +7,8 @@
 //   F::BLOCK_VALUES, F::BLOCK_BYTES, F::PIECES (pieces per block), F::RUNS (runs per piece),
 //   F::ROW_VALUES       rows are a multiple of this many values (BLOCK_VALUES, or a half pair: row_bytes below),
 //   F::ALIGNED16        every block starts on a 16-byte boundary (so do rows and slices of whole blocks),
+//   F::TILE             rows a tile of the matrix as the GPU holds it (WTILE for the F::MMA formats, else 1:
+//                       wblock_offset below),
 //   F::voff(p, r)       the offset in the block of the first of the 8 values of run r of piece p,
 //   F::load(block, p)   the piece's bytes and scales (block: any generic pointer, 2-byte aligned at least),
 //   F::Lane, F::lane(block, p), F::load(lane, delta)
@@ -253,10 +255,25 @@ __host__ __device__ constexpr long long row_bytes(long long K) {
     return (K + F::BLOCK_VALUES - 1) / F::BLOCK_VALUES * F::BLOCK_BYTES;
 }
 
+// A weight matrix as the GPU holds it: its rows in tiles of F::TILE (the last one filled up with rows of zeros),
+// a tile block by block: block kb of every row of the tile, then block kb + 1. F::TILE is 1 (plain rows) but for the
+// formats the verify GEMM takes on tensor cores (F::MMA), WTILE, an mma row tile: so one bulk copy moves a tile's
+// slice into shared memory, where its rows lie BLOCK_BYTES apart (144, 432: a fragment's 8 rows in 8 bank groups,
+// unpadded), and the decode GEMV reads each block where it read it before, only a tile's blocks further on
+// (results/logs/h100-s36-run4-tiled-gemv-timing.txt: no slower). kernels/qgemv.py's tile_rows is the same.
+// Bytes from the matrix's start to row n's block kb, in rows of K values:
+constexpr int WTILE = 16;
+template <class F>
+__host__ __device__ constexpr long long wblock_offset(int n, int kb, long long K) {
+    const unsigned r = static_cast<unsigned>(n);  // (n >= 0: a shift and a mask)
+    return r / F::TILE * F::TILE * row_bytes<F>(K) + static_cast<long long>(kb * F::TILE + r % F::TILE) * F::BLOCK_BYTES;
+}
+
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = true;
+    static constexpr int TILE = 1;
     __host__ __device__ static constexpr int voff(int, int) { return 0; }
     using Lane = BlockLane;
     __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
@@ -286,6 +303,7 @@ struct FmtBf16 {
 struct FmtQ8_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = false;
+    static constexpr int TILE = 1;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     using Lane = BlockLane;
     __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
@@ -318,6 +336,7 @@ struct FmtQ8_0 {
 struct FmtQ4_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = false;
+    static constexpr int TILE = 1;
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     using Lane = BlockLane;
     __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
@@ -369,6 +388,7 @@ template <bool Q5>
 struct FmtK4 {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4, ROW_VALUES = 256;
     static constexpr bool ALIGNED16 = true;
+    static constexpr int TILE = Q5 ? 1 : WTILE;  // F::MMA's
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     using Lane = BlockLane;
@@ -479,6 +499,7 @@ using FmtQ5_K = FmtK4<true>;
 struct FmtQ6_K {
     static constexpr int BLOCK_VALUES = 512, BLOCK_BYTES = 432, PIECES = 16, RUNS = 4, ROW_VALUES = 256;
     static constexpr bool ALIGNED16 = true;
+    static constexpr int TILE = WTILE;
     static constexpr int BODY = 208, D = 416;  // a block's body, the d's
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
     struct Piece {

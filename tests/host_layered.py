@@ -72,8 +72,7 @@ def matrix(w: HostArray, fmt: str, n: int, k: int) -> np.ndarray:
     key = (id(w.buf), w.offset, fmt, n, k)
     if key not in _MATRICES:
         f = fmt_of(fmt)
-        rows = w.a.reshape(-1)[:n * f.row_bytes(k)].reshape(n, -1)
-        _MATRICES[key] = (w.buf, dequantize(f.gguf_rows(rows, k), f.ggml).astype(np.float32))
+        _MATRICES[key] = (w.buf, dequantize(f.matrix_rows(w.a, n, k), f.ggml).astype(np.float32))
     return _MATRICES[key][1]
 
 

@@ -350,19 +350,18 @@ float __shfl_xor_sync(unsigned, float v, int mask) { return shfl_xor(v, mask); }
 int __shfl_xor_sync(unsigned, int v, int mask) { return shfl_xor(v, mask); }
 int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-// argv: rows k offset in out [xin]. Decodes every piece of every row, the rows placed `offset` bytes past a 16-byte
-// boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
+// argv: rows k offset in out [xin]. Decodes every piece of every row of a matrix in quant.cuh's layout (wblock_offset),
+// placed `offset` bytes past a 16-byte boundary, exactly as qdequant does on the device (F::load(block, p)). With xin (XBlocks of one activation row; DOT
 // defined): each row's sum from 0 through F::dot with them, piece by piece in K order, after each piece, [rows,
 // pieces], its bytes loaded as qgemv's loop does (F::lane, F::load(lane, delta)). With rows = 0: quantize_xblock on
 // the floats of `in` (offset 0), or quantize_xblock_lanes, 4 XBlocks a warp of host threads (offset 1). With rows =
 // -m: the XBlock layout, xblock_index of XBlock b of row r for rows of k values, [m, k / 32] int64.
 template <class F> void dequant(const unsigned char* w, float* out, long n, int k) {
     const int pieces = k / (F::BLOCK_VALUES / F::PIECES);
-    const long row = row_bytes<F>(k);
     for (long r = 0; r < n; ++r)
         for (int t = 0; t < pieces; ++t) {
             const int b = t / F::PIECES, p = t % F::PIECES;
-            const auto pc = F::load(w + r * row + static_cast<long>(b) * F::BLOCK_BYTES, p);
+            const auto pc = F::load(w + wblock_offset<F>(r, b, k), p);
             for (int j = 0; j < F::RUNS; ++j) {
                 float v[8];
                 F::run(pc, j, v);
@@ -373,15 +372,14 @@ template <class F> void dequant(const unsigned char* w, float* out, long n, int 
 #ifdef DOT
 template <class F> long dot(const unsigned char* w, const unsigned char* xb, float* out, long n, int k) {
     const int pieces = k / (F::BLOCK_VALUES / F::PIECES);
-    const long row = row_bytes<F>(k);
     for (long r = 0; r < n; ++r) {
         float acc = 0.f;
         for (int t = 0; t < pieces; ++t) {
             const int b = t / F::PIECES, p = t % F::PIECES;
             // as qgemv.cuh's loop reads them: F::lane made once at the row's first block of b's parity (the same
             // address mod 4), then a block a multiple of 4 bytes further; dot with the piece's activations
-            const auto lane = F::lane(w + r * row + static_cast<long>(b % 2) * F::BLOCK_BYTES, p);
-            const auto pc = F::load(lane, static_cast<long long>(b - b % 2) * F::BLOCK_BYTES);
+            const auto lane = F::lane(w + wblock_offset<F>(r, b % 2, k), p);
+            const auto pc = F::load(lane, static_cast<long long>(b - b % 2) * F::TILE * F::BLOCK_BYTES);
             out[r * pieces + t] = acc = F::dot(pc, xb + b * F::XB + p * (F::XB / F::PIECES), acc);
         }
     }
@@ -478,13 +476,13 @@ def host_decoder(directory, header: str, cls: str, products: bool = False):
     return exe
 
 
-def host_decode(exe, raw: np.ndarray, k: int, offset: int, directory) -> np.ndarray:
-    """Rows of bytes (as the GPU holds them: Format.device_rows) through a host decoder, placed `offset` bytes past a
-    16-byte boundary: float32 [rows, k]."""
-    raw.tofile(directory / "in.bin")
-    subprocess.run([str(exe), str(len(raw)), str(k), str(offset), str(directory / "in.bin"), str(directory / "out.bin")],
+def host_decode(exe, w: np.ndarray, n: int, k: int, offset: int, directory) -> np.ndarray:
+    """A matrix of n rows (its bytes as the GPU holds them: Format.device_matrix) through a host decoder, placed
+    `offset` bytes past a 16-byte boundary: float32 [n, k]."""
+    w.tofile(directory / "in.bin")
+    subprocess.run([str(exe), str(n), str(k), str(offset), str(directory / "in.bin"), str(directory / "out.bin")],
                    check=True)
-    return np.fromfile(directory / "out.bin", np.float32).reshape(len(raw), k)
+    return np.fromfile(directory / "out.bin", np.float32).reshape(n, k)
 
 
 @pytest.fixture(scope="module")
@@ -495,7 +493,7 @@ def host_decoders(tmp_path_factory):
 
 
 @settings(max_examples=60, deadline=None)
-@given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 3), blocks=st.integers(1, 5),
+@given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 40), blocks=st.integers(1, 5),
        offset=st.sampled_from([0, 2, 4, 6, 8, 14]), seed=st.integers(0, 2**32 - 1))
 def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt, n, blocks, offset, seed):
     f = qgemv.fmt_of(fmt)
@@ -503,7 +501,7 @@ def test_device_decode_is_bit_equal_to_gguf(host_decoders, tmp_path_factory, fmt
         offset = 0  # these formats' rows always start on 16-byte boundaries
     k = blocks * (256 if fmt == "bf16" else f.row_step)
     raw = draw_rows(fmt, n, k, seed)
-    ours = host_decode(host_decoders[fmt], f.device_rows(raw), k, offset, tmp_path_factory.mktemp("io"))
+    ours = host_decode(host_decoders[fmt], f.device_matrix(raw), n, k, offset, tmp_path_factory.mktemp("io"))
     theirs = gguf_quants.dequantize(raw, f.ggml)
     np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
@@ -584,7 +582,7 @@ def test_device_products_are_bit_equal_to_numpy(host_decoders, tmp_path_factory,
     k = blocks * f.row_step
     raw, x = draw_rows(fmt, n, k, seed), draw_x(1, k, seed + 1)
     d = tmp_path_factory.mktemp("dot")
-    f.device_rows(raw).tofile(d / "in.bin")
+    f.device_matrix(raw).tofile(d / "in.bin")
     qgemv.xblocks(x).tofile(d / "x.bin")
     subprocess.run([str(host_decoders[fmt]), str(n), str(k), str(offset), str(d / "in.bin"), str(d / "out.bin"),
                     str(d / "x.bin")], check=True)

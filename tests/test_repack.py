@@ -80,6 +80,30 @@ def test_the_other_formats_go_to_the_gpu_as_stored():
             np.testing.assert_array_equal(f.gguf_rows(raw, 256), raw)
 
 
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(sorted(qgemv.FORMATS)), n=st.integers(1, 40), blocks=st.integers(1, 7),
+       seed=st.integers(0, 2**32 - 1))
+def test_matrices_are_tiles_of_rows_block_by_block(fmt, n, blocks, seed):
+    """Format.device_matrix (what the kernels read: quant.cuh's wblock_offset, whose C++ the host decoders of
+    test_qgemv read through) puts row r's block kb of device_rows at wblock_offset(r, kb), zeros elsewhere, in whole
+    tiles of 16 rows for the mma formats and plain rows for the others; matrix_rows undoes it."""
+    f = qgemv.fmt_of(fmt)
+    k = blocks * f.row_step
+    raw = np.random.default_rng(seed).integers(0, 256, (n, f.gguf_row_bytes(k)), np.uint8)
+    rows, w = f.device_rows(raw), f.device_matrix(raw)
+    assert f.tile_rows == (16 if fmt in ("q4_k", "q6_k") else 1)
+    assert w.shape == (f.matrix_bytes(n, k),) == (-(-n // f.tile_rows) * f.tile_rows * f.row_bytes(k),)
+    bb = f.block_bytes
+    placed = np.zeros(w.size, bool)
+    for r in range(n):
+        for kb in range(rows.shape[1] // bb):
+            at = f.wblock_offset(r, kb, k)
+            np.testing.assert_array_equal(w[at:at + bb], rows[r, kb * bb:(kb + 1) * bb])
+            placed[at:at + bb] = True
+    assert placed.sum() == rows.size and not w[~placed].any()  # each block once; the rows past n are zeros
+    np.testing.assert_array_equal(f.matrix_rows(w, n, k), raw)
+
+
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="whole 210-byte blocks"):
         q6_k_pairs(np.zeros((2, 300), np.uint8))

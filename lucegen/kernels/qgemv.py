@@ -37,6 +37,7 @@ XGROUP, XSLICE, XSLOT = 8, 32, 33  # quant.cuh's XBlock layout (xblock_index): g
                                    # XBlocks, a row's in a slot of 33
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
+WTILE = MMA_ROWS  # quant.cuh's: rows a tile of W as the GPU holds it, for the formats with the mma GEMM
 # qgemm_mma's kernels per format, (M-tile, row tiles of 16 a block), and their ring depth; a call takes the one
 # with the fewest M-tiles for its M, then the smallest M-tile (for_rows). Measured on the H200, the 27B's three
 # shapes summed (results/logs/h200-s24-run1-qgemm-mma-m-tiles): Q4_K's two row tiles at mt16 (each activation fragment
@@ -52,7 +53,8 @@ class Format:
     """A weight format as the kernels read it (quant.cuh's trait `cls`): a block of `block_values` values in
     `block_bytes` bytes, decoded in `pieces` pieces; `aligned16` when every block starts on a 16-byte boundary.
     The GPU holds the GGUF rows as stored (a block: quants.block_shape), except Q6_K's, repacked into pairs of
-    blocks (device_rows, kernels/repack.py)."""
+    blocks (device_rows, kernels/repack.py); a matrix's rows in tiles of `tile_rows`, block by block
+    (device_matrix: quant.cuh's wblock_offset)."""
     name: str
     ggml: GGMLType
     cls: str
@@ -114,6 +116,39 @@ class Format:
         """device_rows undone: the kernels' rows [N, row_bytes(k)] -> the GGUF rows."""
         rows = np.ascontiguousarray(rows).view(np.uint8)
         return q6_k_blocks(rows, k // QK_K) if self.ggml == GGMLType.Q6_K else rows
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows a tile of a matrix as the GPU holds it (quant.cuh's F::TILE): an mma row tile for the formats the
+        verify GEMM takes on tensor cores, else 1 (plain rows)."""
+        return WTILE if self.mma else 1
+
+    def matrix_bytes(self, n: int, k: int) -> int:
+        """Bytes of a matrix of n rows of k values on the GPU: whole tiles."""
+        return -(-n // self.tile_rows) * self.tile_rows * self.row_bytes(k)
+
+    def wblock_offset(self, n, kb, k: int):
+        """quant.cuh's wblock_offset: bytes from a matrix's start to row n's block kb (rows of k values)."""
+        t = self.tile_rows
+        return n // t * t * self.row_bytes(k) + (kb * t + n % t) * self.block_bytes
+
+    def device_matrix(self, raw: np.ndarray) -> np.ndarray:
+        """GGUF rows [N, gguf_row_bytes] -> the matrix as the kernels read it, flat bytes [matrix_bytes]: the rows
+        repacked (device_rows), in tiles of tile_rows rows (the last one filled up with rows of zeros), a tile
+        block by block."""
+        rows = self.device_rows(raw)
+        t, (n, row) = self.tile_rows, rows.shape
+        if n % t:
+            rows = np.concatenate([rows, np.zeros((t - n % t, row), np.uint8)])
+        return np.ascontiguousarray(rows.reshape(-1, t, row // self.block_bytes, self.block_bytes)
+                                    .transpose(0, 2, 1, 3)).reshape(-1)
+
+    def matrix_rows(self, w: np.ndarray, n: int, k: int) -> np.ndarray:
+        """device_matrix undone: the matrix's bytes (at least matrix_bytes(n, k)) -> the GGUF rows [n, ...]."""
+        t, row = self.tile_rows, self.row_bytes(k)
+        w = np.ascontiguousarray(w).view(np.uint8).reshape(-1)[:self.matrix_bytes(n, k)]
+        rows = w.reshape(-1, row // self.block_bytes, t, self.block_bytes).transpose(0, 2, 1, 3).reshape(-1, row)
+        return self.gguf_rows(rows[:n], k)
 
 
 FORMATS = {f.name: f for f in (
@@ -358,13 +393,12 @@ class Tuning:
 
     def smem(self, fmt: Format, k: int) -> int:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
-        larger of the block's ring (`stages` slices of its rows and mt activation rows, each row's slot an odd
-        number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the ring's
-        memory, then an mbarrier a stage (sm_90's bulk copies)."""
+        larger of the block's ring (`stages` slices of its rows, unpadded, and of mt activation rows, each in a slot
+        of an odd number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the
+        ring's memory, then an mbarrier a stage (sm_90's bulk copies)."""
         if self.mma:
-            odd = lambda b: b if b // 16 % 2 else b + 16  # slots of an odd number of 16-byte words
             rows = self.rows_per_block()
-            stage = rows * odd(fmt.slot_bytes) + self.mt * XSLOT * XBLOCK_BYTES
+            stage = rows * fmt.slice_bytes + self.mt * XSLOT * XBLOCK_BYTES
             return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
@@ -470,8 +504,8 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
 
 # ---- launchers -----------------------------------------------------------------------------------------------
 def device_weights(raw: np.ndarray, fmt: str) -> DeviceArray:
-    """GGUF rows [N, gguf_row_bytes] of format `fmt` on the device as the kernels read them (Format.device_rows)."""
-    return device_bytes(fmt_of(fmt).device_rows(raw))
+    """GGUF rows [N, gguf_row_bytes] of format `fmt` on the device as the kernels read them (Format.device_matrix)."""
+    return device_bytes(fmt_of(fmt).device_matrix(raw))
 
 
 def device_bytes(raw: np.ndarray) -> DeviceArray:
@@ -514,9 +548,9 @@ class QMatmul:
         if n < 1 or m < 1 or ldy < n:
             raise ValueError(f"need at least one row of W and of X, and rows of Y at least n apart; got n = {n}, "
                              f"m = {m}, ldy = {ldy}")
-        if w.nbytes < -(-n * self.row_bytes // 16) * 16:
-            raise ValueError(f"{self.fmt.name} weights of {n} rows x {self.k} need {n * self.row_bytes} bytes "
-                             f"padded to 16 (device_weights); got {w.nbytes}")
+        if w.nbytes < -(-self.fmt.matrix_bytes(n, self.k) // 16) * 16:
+            raise ValueError(f"{self.fmt.name} weights of {n} rows x {self.k} need {self.fmt.matrix_bytes(n, self.k)} "
+                             f"bytes padded to 16 (device_weights); got {w.nbytes}")
         if x.size < m * self.k or y.size < (m - 1) * ldy + n or x.dtype != np.float32 or y.dtype != np.float32:
             raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}] (rows {ldy} apart); got {x} and {y}")
         t = self.tuning_for(m)

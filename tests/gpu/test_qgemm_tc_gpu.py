@@ -42,11 +42,12 @@ def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, tiles: int | None = No
     mod, spec = module()
     n, m = raw.shape[0], x.shape[0]
     op = qgemm_tc.QGemmTC(mod, spec, fmt, MAX_ROWS, k)
-    buf = qgemv.device_bytes(np.concatenate([np.zeros(offset, np.uint8), raw.ravel()]))
+    w = qgemv.fmt_of(fmt).device_matrix(raw)  # the layout the kernels read (quant.cuh's wblock_offset)
+    buf = qgemv.device_bytes(np.concatenate([np.zeros(offset, np.uint8), w]))
     dx = DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
     y = DeviceArray.empty((m, n), np.float32)
     y.fill_bytes(0xFF)  # poison: an unwritten output shows as NaN
-    op(buf.view(raw.shape, np.uint8, offset_bytes=offset), dx, y, n, m, tiles=tiles)
+    op(buf.view(w.shape, np.uint8, offset_bytes=offset), dx, y, n, m, tiles=tiles)
     synchronize()
     out = y.numpy()
     for a in (op, buf, dx, y):
