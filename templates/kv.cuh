@@ -30,6 +30,7 @@ __device__ __forceinline__ float tq3_level(unsigned i) {
 struct FmtTQ3_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 14, PIECES = 1, RUNS = 4;
     static constexpr bool ALIGNED16 = false;
+    static constexpr int TILE = 1;  // rows as they are (quant.cuh's wblock_offset)
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     struct Piece {
         unsigned lo[2], hi[1];

@@ -173,7 +173,7 @@ def test_device_tq3_decode_is_bit_equal_to_the_reference(tq3_host_decoder, tmp_p
     exe = tq3_host_decoder
     x = (10.0 ** log_scale * np.random.default_rng(seed).standard_normal((rows, 128 * groups))).astype(np.float32)
     raw = kv.encode(x, "tq3_0")
-    ours = host_decode(exe, raw, 128 * groups, offset, tmp_path_factory.mktemp("io"))
+    ours = host_decode(exe, raw, len(raw), 128 * groups, offset, tmp_path_factory.mktemp("io"))
     np.testing.assert_array_equal(ours.view(np.uint32), kv.decode_rotated(raw).view(np.uint32))
 
 

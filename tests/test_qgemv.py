@@ -118,21 +118,21 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
 def test_mma_sizes_worked_out_by_hand():
     q4k, q6k = qgemv.FORMATS["q4_k"], qgemv.FORMATS["q6_k"]
     t = qgemv.Tuning(256, 1, 16, 1, 3, mma=True)
-    # a stage: 16 rows' slices (4 blocks of 144 bytes = 36 words, in slots of 37) and 16 activation rows' XBlocks of
-    # the slice (32 XBlocks of 48 bytes = 96 words, in the layout's slots of 33 XBlocks = 99 words); 3 stages outgrow
-    # the 32 lane classes' sums; then an 8-byte mbarrier a stage
-    assert t.smem(q4k, 5120) == 3 * (16 * 37 * 16 + 16 * 99 * 16) + 3 * 8
-    assert 3 * (16 * 37 * 16 + 16 * 99 * 16) > 32 * 16 * 16 * 4
-    # Q6_K: 4 blocks of 210 bytes from a 2-byte aligned start widened to 54 words, slots of 55; 8 activation rows
-    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k, 5120) == 2 * (16 * 55 * 16 + 8 * 99 * 16) + 2 * 8
+    # a stage: a row tile's slice (16 rows x 4 blocks of 144 bytes = 36 words each, block by block: unpadded) and 16
+    # activation rows' XBlocks of the slice (32 XBlocks of 48 bytes = 96 words, in the layout's slots of 33 XBlocks =
+    # 99 words); 3 stages outgrow the 32 lane classes' sums; then an 8-byte mbarrier a stage
+    assert t.smem(q4k, 5120) == 3 * (16 * 36 * 16 + 16 * 99 * 16) + 3 * 8
+    assert 3 * (16 * 36 * 16 + 16 * 99 * 16) > 32 * 16 * 16 * 4
+    # Q6_K: a slice is 2 pairs of 432 bytes, 54 words a row; 8 activation rows
+    assert qgemv.Tuning(256, 1, 8, 1, 2, mma=True).smem(q6k, 5120) == 2 * (16 * 54 * 16 + 8 * 99 * 16) + 2 * 8
     assert t.grid(17408, 40) == 17408 // 16 * 3  # 16 rows a block, M-tiles of 16
     assert t.name(q4k, 5120) == "qgemm_mma_m16_r1_q4_k_k5120_t256_st3"
     # a GEMV with a floor of 6 blocks an SM (a register cap) is a kernel of its own
     assert qgemv.Tuning(256, 1, 1, 1, min_blocks=6).name(q4k, 5120) == "qgemv_q4_k_k5120_r1_s1_t256_mb6"
     # two row tiles: 32 rows' slices a stage; 2 stages outgrow the 32 rows' class sums (64 KB)
     t2 = qgemv.Tuning(256, 2, 16, 1, 2, mma=True)
-    assert t2.smem(q4k, 5120) == 2 * (32 * 37 * 16 + 16 * 99 * 16) + 2 * 8
-    assert 2 * (32 * 37 * 16 + 16 * 99 * 16) > 32 * 32 * 16 * 4
+    assert t2.smem(q4k, 5120) == 2 * (32 * 36 * 16 + 16 * 99 * 16) + 2 * 8
+    assert 2 * (32 * 36 * 16 + 16 * 99 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
 
 
