@@ -1,4 +1,5 @@
 """GGUF rows as the GPU holds them (quant.cuh's formats read these): every format's rows as stored, except Q6_K's.
+(A matrix's rows then lie in tiles, block by block, for the formats of the tensor-core GEMM: Format.device_matrix.)
 
 Q6_K's 210-byte blocks are only 2-byte aligned, and a piece's 32 six-bit values lie spread over 64 bytes of ql and
 qh (shared with three other pieces), so a lane read them as 18 funnel-shifted 4-byte words. On the GPU its rows are
