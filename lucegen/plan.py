@@ -5,7 +5,8 @@
 
 Items (bytes; GiB in the table):
 - target weights: a GGUF file's tensors (its text-model layers; MTP layers are not loaded), or a config quantized
-  with lucegen's rendition of a llama.cpp mix (lucegen.model.checkpoint.gguf_types);
+  with lucegen's rendition of a llama.cpp mix (lucegen.model.checkpoint.gguf_types), as the GPU holds them (Q6_K's
+  blocks in pairs, Q4_K's and Q6_K's matrices in whole tiles of 16 rows: kernels/qgemv.py's Format.matrix_bytes);
 - draft weights: a DFlash draft's safetensors (their sizes, from the headers) or its config.json (bf16);
 - KV cache: ctx positions x the full-attention layers x K and V x KV heads x a head_dim row in the KV format;
 - DeltaNet state: per DeltaNet layer the fp32 recurrent state [Hv, dk, dv] and conv state [K-1, conv_dim];
@@ -101,12 +102,20 @@ class Plan:
 
 # ---- the target ------------------------------------------------------------------------------------------------
 def _tensor_bytes(shape: tuple[int, ...], t) -> int:
+    """Bytes on the GPU of a tensor of logical shape `shape` (rows of shape[-1] values) and ggml type t: a matrix in
+    one of the quantized kernels' formats as they hold it (qgemv.Format.matrix_bytes: Q6_K's blocks in pairs, the
+    tensor-core formats' rows in whole tiles), anything else as the file stores it."""
+    from .kernels.qgemv import FORMATS
     from .model.quants import row_bytes
-    return int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes(t, shape[-1])
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    fmt = next((f for f in FORMATS.values() if f.ggml == t), None)
+    if fmt is not None and len(shape) == 2 and shape[-1] % fmt.row_step == 0:
+        return fmt.matrix_bytes(rows, shape[-1])
+    return rows * row_bytes(t, shape[-1])
 
 
 def target_from_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, int]]:
-    """A GGUF file's config and its text-model tensor bytes by ggml type name."""
+    """A GGUF file's config and its text-model tensor bytes on the GPU (_tensor_bytes) by ggml type name."""
     from .model.gguf_file import load_gguf, split_name
     ckpt = load_gguf(path)
     by_type: dict[str, int] = {}
@@ -114,12 +123,13 @@ def target_from_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, int]]:
         layer = split_name(name)[0]
         if layer is not None and layer >= ckpt.config.num_hidden_layers:
             continue  # MTP layers: not loaded
-        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: ggml's ne reversed
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + _tensor_bytes(shape, t.tensor_type)
     return ckpt.config, by_type
 
 
 def target_from_config(model: ModelConfig, mix: str) -> dict[str, int]:
-    """Tensor bytes by ggml type name of `model` quantized with `mix`."""
+    """Tensor bytes on the GPU (_tensor_bytes) by ggml type name of `model` quantized with `mix`."""
     from .model.checkpoint import gguf_types
     from .model.gguf_file import gguf_shape
     from .model.weights import weight_shapes
