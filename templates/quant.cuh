@@ -299,31 +299,36 @@ struct FmtBf16 {
     }
 };
 
-// ---- Q8_0: [0:2] d | [2:34] int8 qs[32]; x[j] = d * qs[j]. One piece per block, run r = values 8r .. 8r+7 ------
-struct FmtQ8_0 {
-    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
+// ---- Q8_0 and Q4_0: one 32-value piece a block, [0:2] the fp16 d, then WORDS words of quants (2-byte aligned) --
+template <int BYTES, int WORDS>
+struct FmtD32 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = BYTES, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
     static constexpr bool ALIGNED16 = false;
     static constexpr int TILE = 1;
+    static constexpr int XB = sizeof(XBlock);
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
     using Lane = BlockLane;
     __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
     struct Piece {
-        unsigned q[8];
+        unsigned q[WORDS];
         float d;
     };
     __device__ static Piece load(const unsigned char* block, int) {
         Piece pc;
         pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block));
-        load_words_a2<8>(block + 2, pc.q);
+        load_words_a2<WORDS>(block + 2, pc.q);
         return pc;
     }
     __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
+};
+
+// Q8_0: [0:2] d | [2:34] int8 qs[32]; x[j] = d * qs[j]. Run r = values 8r .. 8r+7.
+struct FmtQ8_0 : FmtD32<34, 8> {
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const unsigned w0 = pc.q[2 * r] ^ 0x80808080u, w1 = pc.q[2 * r + 1] ^ 0x80808080u;  // bytes q + 128
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 128.f), pc.d);
     }
-    static constexpr int XB = sizeof(XBlock);
     __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {  // one group: the block
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
@@ -331,33 +336,15 @@ struct FmtQ8_0 {
     }
 };
 
-// ---- Q4_0: [0:2] d | [2:18] qs[16]; x[j] = d * ((qs[j] & 0xF) - 8), x[j+16] = d * ((qs[j] >> 4) - 8) --------
-// One piece per block; run r: the low (r < 2) or high nibbles of bytes 8(r%2) .. 8(r%2)+7 = values 8r .. 8r+7.
-struct FmtQ4_0 {
-    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
-    static constexpr bool ALIGNED16 = false;
-    static constexpr int TILE = 1;
-    __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
-    using Lane = BlockLane;
-    __device__ static Lane lane(const unsigned char* block, int p) { return {block, p}; }
-    struct Piece {
-        unsigned q[4];
-        float d;
-    };
-    __device__ static Piece load(const unsigned char* block, int) {
-        Piece pc;
-        pc.d = half_to_float(*reinterpret_cast<const unsigned short*>(block));
-        load_words_a2<4>(block + 2, pc.q);
-        return pc;
-    }
-    __device__ static Piece load(const Lane& ln, long long delta) { return load(ln.block + delta, ln.p); }
+// Q4_0: [0:2] d | [2:18] qs[16]; x[j] = d * ((qs[j] & 0xF) - 8), x[j+16] = d * ((qs[j] >> 4) - 8). Run r: the low
+// (r < 2) or high nibbles of bytes 8(r%2) .. 8(r%2)+7 = values 8r .. 8r+7.
+struct FmtQ4_0 : FmtD32<18, 4> {
     __device__ static void run(const Piece& pc, int r, float (&w)[8]) {
         const unsigned w0 = (pc.q[2 * (r % 2)] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
         const unsigned w1 = (pc.q[2 * (r % 2) + 1] >> (4 * (r / 2))) & 0x0F0F0F0Fu;
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(pc.d, byte_minus(i < 4 ? w0 : w1, i % 4, MAGIC_U_VALUE + 8.f));
     }
-    static constexpr int XB = sizeof(XBlock);
     // One group: the block. The offset of 8 as a min: d (q - 8) = d q - 8 d, and 8 d is exact.
     __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
