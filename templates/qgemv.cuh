@@ -139,8 +139,9 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     // registers this keeps cost no spills; else F::load(block, p) makes it again for each piece): per row j, F::lane
     // at its block in slice 0 (ln; in the ring: in stage 0) or at block 0 (ln0: the lanes past the end of a partial
     // last slice), slice s's block being delta bytes further, a multiple of 4 (SLICE_BYTES is one; the ring keeps
-    // addresses mod 16, tiles' blocks are 16-byte multiples); its piece's activations (MT = 1), at xl (block 0: xl0) + s Q::X_STEP, in 16-byte words: so
-    // typed, the compiler keeps xl whole in registers instead of x apart in a uniform one, added in the loop.
+    // addresses mod 16; tiles' blocks are 16-byte multiples); its piece's activations (MT = 1), at xl (block 0: xl0)
+    // + s Q::X_STEP, in 16-byte words: so typed, the compiler keeps xl whole in registers instead of x apart in a
+    // uniform one, added in the loop.
     static_assert(Q::SLICE_BYTES % 4 == 0, "a lane's blocks keep their address mod 4 from slice to slice");
     constexpr bool HOIST = MT <= 4 && ROWS * SPAN <= 2;
     typename F::Lane ln[ROWS], ln0[ROWS];
