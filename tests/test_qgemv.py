@@ -203,7 +203,7 @@ def test_the_gemms_take_y_rows_ldy_apart_and_the_gemv_refuses_them(monkeypatch):
     with on_host(monkeypatch):
         log = LaunchLog()
         op = qgemv.QMatmul(log, spec, "q4_k", k)
-        w = HostArray.empty(n * qgemv.fmt_of("q4_k").row_bytes(k), np.uint8)
+        w = HostArray.empty(qgemv.fmt_of("q4_k").matrix_bytes(n, k), np.uint8)
         x, y = HostArray.empty((16, k), np.float32), HostArray.empty(15 * 200 + n, np.float32)
         for m in (3, 16):  # a dp4a M-tile, the int8 mma GEMM: Y's row stride is their last argument
             op(w, x, y, n, m, ldy=200)

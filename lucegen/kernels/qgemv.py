@@ -524,7 +524,6 @@ class QMatmul:
     def __init__(self, module, spec: ChipSpec, fmt: str, k: int, kernels: Sequence[Tuning] | None = None,
                  model: str | None = None):
         self.fmt, self.k = fmt_of(fmt), k
-        self.row_bytes = self.fmt.row_bytes(k)
         self.tunings = list(kernels or tunings(spec, self.fmt, k, model))
         self.mma_from = spec.tuning.qgemv.gemm_mma_from
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
