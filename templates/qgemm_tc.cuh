@@ -75,7 +75,7 @@ __device__ __forceinline__ void qgemm_tc_mma(float (&acc)[TILES][NT][4], const u
 // lanes of a row decode two sub-blocks' scales each and pass them round. Weights fl16(q s + b), s = fl16(d sc),
 // b = fl16(-(dmin m)).
 struct TcQ4K {
-    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, TILE = WTILE;  // W as quant.cuh lays Q4_K out
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, TILE = FmtQ4_K::TILE;  // W as quant.cuh lays it out
 
     // sub-block j's fp16 scale and bias as one word (scale in the low half)
     __device__ static unsigned scale_bias(int j, const uint4& h) {

@@ -266,7 +266,8 @@ constexpr int WTILE = 16;
 template <class F>
 __host__ __device__ constexpr long long wblock_offset(int n, int kb, long long K) {
     const unsigned r = static_cast<unsigned>(n);  // (n >= 0: a shift and a mask)
-    return r / F::TILE * F::TILE * row_bytes<F>(K) + static_cast<long long>(kb * F::TILE + r % F::TILE) * F::BLOCK_BYTES;
+    return r / F::TILE * F::TILE * row_bytes<F>(K) +
+           static_cast<long long>(kb * F::TILE + r % F::TILE) * F::BLOCK_BYTES;
 }
 
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
