@@ -99,6 +99,9 @@ class QGemvTuning:
                               # the loads go straight into registers
     gemm: str = "dp4a"        # the GEMM (M > 1) of the formats that have both: dp4a, or mma (int8 tensor cores)
     gemm_mma_from: int = 2    # with gemm = mma: the smallest M the int8 mma GEMM takes (dp4a's M-tiles below it)
+    quad_sums: bool = False   # with gemm = mma: Q4_K's products summed by quads of lanes, not by lanes (quant.cuh's
+                              # QuadSums), in the GEMV and every GEMM alike: the mma GEMM keeps a quarter of the
+                              # sums (M-tiles of 24), the GEMV pays two shuffles and adds a piece
     tensor_core_formats: tuple[str, ...] = ()  # formats whose rows go through kernels/qgemm_tc.py at every M (the
                                                # decode GEMV and the verify GEMM in one batch-invariant kernel)
     min_blocks: int = 2       # the GEMV's blocks an SM at least (__launch_bounds__): more cap its registers, for more
@@ -403,6 +406,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"takes {', '.join(TENSOR_CORE_FORMATS)}")
     if t.qgemv.gemm not in QGEMM_METHODS:
         _fail(source, "tuning.qgemv.gemm", f"{t.qgemv.gemm!r} is not one of {', '.join(QGEMM_METHODS)}")
+    if t.qgemv.quad_sums and t.qgemv.gemm != "mma":
+        _fail(source, "tuning.qgemv.quad_sums", "sums by quads serve the int8 mma GEMM (gemm: mma); the dp4a GEMM's "
+              "M-tile of 8 spills with them")
     if not 2 <= t.qgemv.gemm_mma_from <= 65:
         _fail(source, "tuning.qgemv.gemm_mma_from", f"{t.qgemv.gemm_mma_from} must be between 2 and 65 (a tree "
               f"verify's rows)")

@@ -132,10 +132,33 @@ __device__ __forceinline__ void store_bf16x4(bf16* y, float4 v) {
                                               *reinterpret_cast<const unsigned*>(&hi));
 }
 
+// The sum of a warp's values in a butterfly: lane l adds lane l ^ o's partial, o = 16, 8, ... down to LAST (LAST 4:
+// the sums of the 8 quads, where the 4 lanes of each hold the same value, quad_sum's).
+template <int LAST = 1>
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o >= LAST; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// The sum of N values in one thread's registers, in warp_sum's order (lane l adds lane l + w's partial, w = N / 2,
+// ..., 1): the same bits as a warp_sum of them, lane by lane (N = 32), or quad by quad (N = 8, warp_sum<4>).
+// (One step a template instance: nested loops over w and l leave the inner one rolled, and v in local memory.)
+template <int N, int W = N / 2>
+__device__ __forceinline__ float butterfly_sum(float (&v)[N]) {
+    if constexpr (W == 0) {
+        return v[0];
+    } else {
+#pragma unroll
+        for (int l = 0; l < W; ++l) v[l] += v[l + W];
+        return butterfly_sum<N, W / 2>(v);
+    }
+}
+
+// The sum of a quad's (4 lanes') values, (v0 + v1) + (v2 + v3), in each of its lanes (the same bits in all four).
+__device__ __forceinline__ float quad_sum(float v) {
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
 // N warp_sums at once, their butterflies in lockstep (each the same adds in the same order as warp_sum's, so the

@@ -16,7 +16,8 @@
 //       barrier (a __syncwarp orders the ring). What is in flight no longer costs registers, and the loads keep
 //       running while the warp multiplies (the quantized formats spend far more instructions per byte than bf16).
 //
-// Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of its pieces' F::dot):
+// Arithmetic. Y[m][n] = warp_sum over lanes of (lane l: the fp32 sum, slice by slice, of its pieces' F::dot; for
+// F::QUAD_SUMS, over quads of the quad's sum of quad_sums of its lanes' F::dot from 0, quant.cuh):
 // it depends on the format and K only, not on MT, ROWS, SPAN, STAGES or the grid, so the M = 1 GEMV and every M-tile
 // of the GEMM give the same bits for the same row (a tree verify computes exactly what decode would). For bf16
 // (8-value pieces, 256-value slices) the lanes sum in gemv_bf16's order.
@@ -181,9 +182,15 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
         for (int u = 0; u < SPAN; ++u) {  // (block(s) written as whole(s) ? b : 0, so that the M = 8 GEMMs on
             const int s = min(s0 + u, SLICES - 1);  // tiles stay within their register cap without spills)
 #pragma unroll
-            for (int j = 0; j < ROWS; ++j)
-                pc[u][j] = HOIST ? F::load(whole(s) ? ln[j] : ln0[j], delta(t, j, u, s))
-                                 : F::load(bytes(t, j, u, s) + (whole(s) ? b * BSTEP : 0), p);
+            for (int j = 0; j < ROWS; ++j) {
+                if constexpr (HOIST) {  // (a copy, not a pick between the arrays' addresses: that keeps them in local
+                    typename F::Lane l = ln0[j];  // memory)
+                    if (whole(s)) l = ln[j];
+                    pc[u][j] = F::load(l, delta(t, j, u, s));
+                } else {
+                    pc[u][j] = F::load(bytes(t, j, u, s) + (whole(s) ? b * BSTEP : 0), p);
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < SPAN; ++u) {
@@ -195,8 +202,14 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
                 const unsigned char* xm = MT == 1 ? reinterpret_cast<const unsigned char*>(whole(s) ? xl : xl0) + xs
                                                   : xrow(m) + xs + block(s) * F::XB + p * PIECE_XB;
 #pragma unroll
-                for (int j = 0; j < ROWS; ++j)
-                    if (use) acc[j][m] = F::dot(pc[u][j], xm, acc[j][m]);
+                for (int j = 0; j < ROWS; ++j) {
+                    if constexpr (F::QUAD_SUMS) {  // the quad's 4 terms, then its sum (quant.cuh); a quad's lanes
+                        const float tq = quad_sum(F::dot(pc[u][j], xm, 0.f));  // are live or not alike (K is whole
+                        if (use) acc[j][m] = __fadd_rn(acc[j][m], tq);          // quads): a dead one adds nothing
+                    } else if (use) {
+                        acc[j][m] = F::dot(pc[u][j], xm, acc[j][m]);
+                    }
+                }
             }
         }
     }
@@ -206,7 +219,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
     for (int j = 0; j < ROWS; ++j)
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-            const float v = warp_sum(acc[j][m]);
+            const float v = warp_sum<F::QUAD_SUMS ? 4 : 1>(acc[j][m]);
             if (lane == 0 && j < nrows && m < mv) y[(long long)(m0 + m) * ldy + r0 + j] = v;
         }
 }
@@ -218,8 +231,9 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // 2b, 2b + 1 take block b of each slice, with 16 (Q6_K's pairs) warps 4b .. 4b+3). For each of its pieces, row
 // tile and 8 activation rows one mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over
 // half the piece's values, for F::SPLIT), then F::term scales it in fp32 into the class's sum, as qgemm's
-// lane does. At the end the 32 class sums of each output meet in shared memory and are added in warp_sum's
-// butterfly order.
+// lane does (F::QUAD_SUMS: the warp's 4 classes are one quad of qgemm's lanes, so a thread adds its 4 pieces' terms
+// as the quad does and keeps one sum an output, a quarter of the registers). At the end the 32 (8) class sums of
+// each output meet in shared memory and are added in warp_sum's butterfly order.
 //
 // Both operands reach shared memory a slice at a time, through a ring of STAGES slices that the whole block fills
 // STAGES - 1 slices ahead of the one multiplied: each row tile's slice and each n-tile's XBlocks of the slice, one
@@ -252,7 +266,8 @@ struct QGemmMma {
     static constexpr int X_STAGE = TILES * W_TILE;  // where a stage's activations start
     static constexpr int STAGE_BYTES = X_STAGE + MT * X_SLOT;
     static constexpr int RING = STAGES * STAGE_BYTES;
-    static constexpr int RED = 32 * ROWS * MT * 4;  // the class sums of the block's outputs (after the ring's use)
+    static constexpr int CLASSES = F::QUAD_SUMS ? 8 : 32;  // sums an output: qgemm's lanes', or its quads'
+    static constexpr int RED = CLASSES * ROWS * MT * 4;  // the class sums of the block's outputs (after the ring's use)
     // the last slice's bytes of a row, and of an activation row (a partial slice where K is not whole slices)
     static constexpr int LAST_BYTES = static_cast<int>(Q::ROW_BYTES - (long long)(Q::SLICES - 1) * Q::SLICE_BYTES);
     static constexpr int X_LAST_BYTES =
@@ -347,11 +362,13 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     };
     const auto landed = [&](int) { cp_async_wait<STAGES - 2>(); };
 #endif
-    float acc[TILES][4][NT][4];
+    // a thread's class sums (F::QUAD_SUMS: one, its quad's, else one a piece c) and its quad's first pair of terms
+    constexpr int TC = R::CLASSES / 8, PC = F::QUAD_SUMS ? 2 : 1;
+    float acc[TILES][TC][NT][4], pair[TILES][NT][4];
 #pragma unroll
     for (int i = 0; i < TILES; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
+        for (int c = 0; c < TC; ++c)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -380,38 +397,70 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         // the warp's block's XBlocks in a stage's activation rows
         const unsigned char* xb = stage + R::X_STAGE + wb * F::XB;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int p = 4 * q + c;
-            unsigned a[TILES][2][2];
-            typename F::Scale sc[TILES][2];
+        // The quad's pieces PC at a time (F::QUAD_SUMS: a pair, whose terms meet at once).
+        for (int c0 = 0; c0 < 4; c0 += PC) {
+            unsigned a[PC][TILES][2][2];
+            typename F::Scale sc[PC][TILES][2];
 #pragma unroll
-            for (int tile = 0; tile < TILES; ++tile)
+            for (int h = 0; h < PC; ++h)
 #pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    F::mma_piece(raw[tile][i], q, c, lane & ~3, a[tile][i][0], a[tile][i][1], sc[tile][i]);
-            const unsigned char* xp = xb + p * PIECE_XB;  // the piece's XBlock
+                for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        F::mma_piece(raw[tile][i], q, c0 + h, lane & ~3, a[h][tile][i][0], a[h][tile][i][1],
+                                     sc[h][tile][i]);
+            const unsigned char* xp[PC];  // the pieces' XBlocks
+#pragma unroll
+            for (int h = 0; h < PC; ++h) xp[h] = xb + (4 * q + c0 + h) * PIECE_XB;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 if (nt >= nts) break;
-                const XBlock& xq = *reinterpret_cast<const XBlock*>(xp + (8 * nt + g) * R::X_SLOT);
-                const unsigned b[2] = {static_cast<unsigned>(xq.q[t]), static_cast<unsigned>(xq.q[4 + t])};
-                int4 meta[2];
+                unsigned b[PC][2];
+                int4 meta[PC][2];
 #pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    meta[j] = reinterpret_cast<const XBlock*>(xp + (8 * nt + 2 * t + j) * R::X_SLOT)->meta();
+                for (int h = 0; h < PC; ++h) {
+                    const XBlock& xq = *reinterpret_cast<const XBlock*>(xp[h] + (8 * nt + g) * R::X_SLOT);
+                    b[h][0] = static_cast<unsigned>(xq.q[t]), b[h][1] = static_cast<unsigned>(xq.q[4 + t]);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        meta[h][j] = reinterpret_cast<const XBlock*>(xp[h] + (8 * nt + 2 * t + j) * R::X_SLOT)->meta();
+                }
 #pragma unroll
                 for (int tile = 0; tile < TILES; ++tile) {
-                    int lo[4], hi[4] = {0, 0, 0, 0};
-                    if constexpr (F::SPLIT) {
-                        mma_s8(lo, {a[tile][0][0], a[tile][1][0], 0u, 0u}, b);
-                        mma_s8(hi, {0u, 0u, a[tile][0][1], a[tile][1][1]}, b);
-                    } else {
-                        mma_s8(lo, {a[tile][0][0], a[tile][1][0], a[tile][0][1], a[tile][1][1]}, b);
-                    }
+                    float terms[4] = {0.f, 0.f, 0.f, 0.f};  // F::QUAD_SUMS: the pair's
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)  // C element e: row 16 tile + g + 8 (e / 2), activation 8nt + 2t + e % 2
-                        acc[tile][c][nt][e] =
-                            F::term(acc[tile][c][nt][e], sc[tile][e / 2], lo[e], hi[e], meta[e % 2]);
+                    for (int h = 0; h < PC; ++h) {
+                        const int c = c0 + h;
+                        int lo[4], hi[4] = {0, 0, 0, 0};
+                        if constexpr (F::SPLIT) {
+                            mma_s8(lo, {a[h][tile][0][0], a[h][tile][1][0], 0u, 0u}, b[h]);
+                            mma_s8(hi, {0u, 0u, a[h][tile][0][1], a[h][tile][1][1]}, b[h]);
+                        } else {
+                            mma_s8(lo, {a[h][tile][0][0], a[h][tile][1][0], a[h][tile][0][1], a[h][tile][1][1]}, b[h]);
+                        }
+                        // C element e: row 16 tile + g + 8 (e / 2), activation 8nt + 2t + e % 2
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const typename F::Scale& se = sc[h][tile][e / 2];
+                            if constexpr (F::QUAD_SUMS) {
+                                const float tc = F::term(0.f, se, lo[e], hi[e], meta[h][e % 2]);
+                                terms[e] = h ? __fadd_rn(terms[e], tc) : tc;
+                            } else {
+                                acc[tile][c][nt][e] = F::term(acc[tile][c][nt][e], se, lo[e], hi[e], meta[h][e % 2]);
+                            }
+                        }
+                    }
+                    if constexpr (F::QUAD_SUMS) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            if (c0 == 0) {
+                                pair[tile][nt][e] = terms[e];
+                            } else {
+                                const float quad = __fadd_rn(pair[tile][nt][e], terms[e]);
+                                acc[tile][0][nt][e] = __fadd_rn(acc[tile][0][nt][e], quad);
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -425,30 +474,21 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
 #pragma unroll
     for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
+        for (int c = 0; c < TC; ++c)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    red[((4 * warp + c) * R::ROWS + 16 * tile + g + 8 * (e / 2)) * MT + 8 * nt + 2 * t + e % 2] =
+                    red[((TC * warp + c) * R::ROWS + 16 * tile + g + 8 * (e / 2)) * MT + 8 * nt + 2 * t + e % 2] =
                         acc[tile][c][nt][e];
     __syncthreads();
     for (int o = threadIdx.x; o < R::ROWS * MT; o += THREADS) {
         const int row = o / MT, m = o % MT;
         if (r0 + row >= N || m0 + m >= M) continue;
-        float v[32];
+        float v[R::CLASSES];
 #pragma unroll
-        for (int l = 0; l < 32; ++l) v[l] = red[(l * R::ROWS + row) * MT + m];
-        // warp_sum's order: lane l adds lane l ^ w's partial, w = 16, 8, 4, 2, 1 (constant trip counts, so that v
-        // stays in registers)
-#pragma unroll
-        for (int l = 0; l < 16; ++l) v[l] += v[l + 16];
-#pragma unroll
-        for (int l = 0; l < 8; ++l) v[l] += v[l + 8];
-#pragma unroll
-        for (int l = 0; l < 4; ++l) v[l] += v[l + 4];
-        v[0] += v[2], v[1] += v[3];
-        y[(long long)(m0 + m) * ldy + r0 + row] = v[0] + v[1];
+        for (int l = 0; l < R::CLASSES; ++l) v[l] = red[(l * R::ROWS + row) * MT + m];
+        y[(long long)(m0 + m) * ldy + r0 + row] = butterfly_sum<R::CLASSES>(v);  // in warp_sum's order
     }
 }
 

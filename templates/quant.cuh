@@ -32,6 +32,11 @@
 //   acc = fma(-b, dxv, fma(a, fl(dx * u), acc)) (the formats with mins, Q4_K, Q5_K: u = sum of q qx, a = fl(d sc),
 //                                               b = fl(dmin m); Q4_0: u = sum of q qx, a = d, b = 8 d, its offset;
 //                                               dxv = fl(dx * v), v the sum of the qx: the XBlock holds it)
+// QuadSums<F> (F::QUAD_SUMS) sums by quads of lanes instead (the lanes 4q .. 4q+3 of a warp, qgemv.cuh): each lane
+// makes its piece's term as above from acc = 0, the quad adds the four pairwise, (t0 + t1) + (t2 + t3), and that
+// into its running sum, slice by slice; the warp's sum then adds the 8 quads'. A tensor-core thread holds a quad's 4
+// pieces, so it keeps one sum an output instead of four: Q4_K's, where the verify GEMM is the mma one
+// (lucegen/kernels/qgemv.py's sums_by_quads).
 // Every integer is exact and below 2^24, so its conversion to float is too. With the fused multiply-adds the
 // formats with mins take four instructions a piece and activation row (a conversion, a multiply, two FMAs) where a
 // term fl(dx * fl(fl(a * u) - fl(b * v))) added to acc took seven. The others would save one of four: not worth
@@ -273,7 +278,7 @@ __host__ __device__ constexpr long long wblock_offset(int n, int kb, long long K
 // ---- bf16: 8 values per 16-byte "block", one piece, one run ---------------------------------------------------
 struct FmtBf16 {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 16, PIECES = 1, RUNS = 1, ROW_VALUES = BLOCK_VALUES;
-    static constexpr bool ALIGNED16 = true;
+    static constexpr bool ALIGNED16 = true, QUAD_SUMS = false;
     static constexpr int TILE = 1;
     __host__ __device__ static constexpr int voff(int, int) { return 0; }
     using Lane = BlockLane;
@@ -304,7 +309,7 @@ struct FmtBf16 {
 template <int BYTES, int WORDS>
 struct FmtD32 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = BYTES, PIECES = 1, RUNS = 4, ROW_VALUES = BLOCK_VALUES;
-    static constexpr bool ALIGNED16 = false;
+    static constexpr bool ALIGNED16 = false, QUAD_SUMS = false;
     static constexpr int TILE = 1;
     static constexpr int XB = sizeof(XBlock);
     __host__ __device__ static constexpr int voff(int, int r) { return 8 * r; }
@@ -375,7 +380,7 @@ __device__ __forceinline__ unsigned scale_min_k4(int j, const uint4& h) {
 template <bool Q5>
 struct FmtK4 {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = Q5 ? 176 : 144, PIECES = 8, RUNS = 4, ROW_VALUES = 256;
-    static constexpr bool ALIGNED16 = true;
+    static constexpr bool ALIGNED16 = true, QUAD_SUMS = false;
     static constexpr int TILE = Q5 ? 1 : WTILE;  // F::MMA's
     static constexpr int QS = Q5 ? 48 : 16;  // byte offset of qs in the block
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
@@ -486,7 +491,7 @@ using FmtQ5_K = FmtK4<true>;
 // 2r + 1; scale r / 2 of the piece).
 struct FmtQ6_K {
     static constexpr int BLOCK_VALUES = 512, BLOCK_BYTES = 432, PIECES = 16, RUNS = 4, ROW_VALUES = 256;
-    static constexpr bool ALIGNED16 = true;
+    static constexpr bool ALIGNED16 = true, QUAD_SUMS = false;
     static constexpr int TILE = WTILE;
     static constexpr int BODY = 208, D = 416;  // a block's body, the d's
     __host__ __device__ static constexpr int voff(int p, int r) { return 32 * p + 8 * r; }
@@ -571,6 +576,14 @@ struct FmtQ6_K {
         const unsigned pair = r.sc[c / 2] >> (16 * (c % 2));  // scales 2c, 2c + 1 of the quad's 8
         sc = {{static_cast<signed char>(pair & 0xFFu), static_cast<signed char>((pair >> 8) & 0xFFu)}, half_to_float(r.d)};
     }
+};
+
+// F with its products summed by quads of lanes (see the top), for the formats whose quad's pieces a tensor-core
+// thread holds (F::MMA)
+template <class F>
+struct QuadSums : F {
+    static_assert(F::MMA, "quads of lanes serve the int8 mma GEMM's threads");
+    static constexpr bool QUAD_SUMS = true;
 };
 
 }  // namespace lucegen

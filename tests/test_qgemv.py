@@ -40,9 +40,11 @@ def test_every_format_compiles_without_spills(tmp_path, spec_name):
     names = {k.name for k in result.kernels}
     for f, fmt in qgemv.FORMATS.items():
         assert {*(t.name(fmt, CHECK_K) for t in qgemv.tunings(spec, fmt, CHECK_K)), f"qdequant_{f}"} <= names
-    rings = {t.name(fmt, CHECK_K): t.smem(fmt, CHECK_K) for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
+    rings = {t.name(fmt, CHECK_K): t.smem(fmt, CHECK_K, qgemv.sums_by_quads(spec, fmt))
+             for fmt in qgemv.FORMATS.values() for t in qgemv.tunings(spec, fmt, CHECK_K)}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
+        assert k.stack_bytes == 0, f"{k.name} keeps an array in local memory on {spec_name}"
         # shared memory: the warps' rings alone (none without stages; activations come through L1)
         assert k.static_smem == 0 and k.dynamic_smem == rings.get(k.name, 0), k.name
         # a quarter of the SM's threads at least, for the loads in flight
@@ -101,7 +103,7 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             assert (v.mt, v.rows, v.threads, v.span) == (1, q.rows_per_warp, q.threads, min(q.span, slices))
             mma = q.gemm == "mma" and f.mma
             if mma:  # tensor cores: the last kernels, the format's M-tiles and tiles of 16 rows a block; dp4a's
-                tilings = qgemv.MMA_TILINGS[f.name]  # M-tiles before them unless they take all M
+                tilings = qgemv.mma_tilings(spec, f)  # M-tiles before them unless they take all M
                 gemms, mmas = gemms[:-len(tilings)], gemms[-len(tilings):]
                 assert [(t.mt, t.rows_per_block() // 16) for t in mmas] == list(tilings)
                 assert all(t.stages == qgemv.MMA_STAGES and t.mma for t in mmas)
@@ -134,6 +136,10 @@ def test_mma_sizes_worked_out_by_hand():
     assert t2.smem(q4k, 5120) == 2 * (32 * 36 * 16 + 16 * 99 * 16) + 2 * 8
     assert 2 * (32 * 36 * 16 + 16 * 99 * 16) > 32 * 32 * 16 * 4
     assert t2.grid(17408, 40) == 17408 // 32 * 3
+    # with sums by quads a warp keeps 8 class sums an output, not 32: the ring outgrows them where the lanes' did not
+    t48 = qgemv.Tuning(256, 2, 48, 1, 2, mma=True)
+    assert t48.smem(q4k, 5120) == 32 * 32 * 48 * 4 + 2 * 8
+    assert t48.smem(q4k, 5120, quads=True) == 2 * (32 * 36 * 16 + 48 * 99 * 16) + 2 * 8
 
 
 def test_a_call_takes_the_smallest_m_tile_that_holds_its_rows():
@@ -595,14 +601,16 @@ def test_device_products_are_bit_equal_to_numpy(host_decoders, tmp_path_factory,
 
 
 @settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from([f for f in sorted(qgemv.FORMATS) if f != "bf16"]), n=st.integers(1, 8),
-       blocks=st.integers(1, 6), m=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-def test_quantized_products_stay_within_the_quantization_bound(fmt, n, blocks, m, seed):
+@given(sums=st.sampled_from([(f, q) for f in sorted(qgemv.FORMATS) if f != "bf16"
+                             for q in (False, True)[:1 + qgemv.fmt_of(f).quad_sums]]),
+       n=st.integers(1, 8), blocks=st.integers(1, 6), m=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_quantized_products_stay_within_the_quantization_bound(sums, n, blocks, m, seed):
+    fmt, quads = sums  # by lanes, or by quads of lanes where the format takes them
     k = blocks * qgemv.fmt_of(fmt).row_step
     raw, x = draw_rows(fmt, n, k, seed), draw_x(m, k, seed + 1)
     exact = qgemv.reference(raw, fmt, x)
-    ours = qgemv.emulate(raw, fmt, x).astype(np.float64)
-    bound = qgemv.quantization_bound(raw, fmt, x)
+    ours = qgemv.emulate(raw, fmt, x, quads).astype(np.float64)
+    bound = qgemv.quantization_bound(raw, fmt, x, quads)
     assert (np.abs(ours - exact) <= bound).all()
     # and the bound is not vacuous: about sum |w| max|x of its block| / 254 (8-bit activations), not more than / 200
     w = np.abs(quants.dequantize(raw, qgemv.fmt_of(fmt).ggml)).astype(np.float64)

@@ -127,6 +127,7 @@ def _delete(path: str):
     (_set("tuning.qgemv", {"span": 9}), "tuning.qgemv.span", "between 1 and 8"),
     (_set("tuning.qgemv", {"gemm_m_tile": 3}), "tuning.qgemv.gemm_m_tile", "2, 4, 8 or 16"),
     (_set("tuning.qgemv", {"gemm_mma_from": 1}), "tuning.qgemv.gemm_mma_from", "between 2 and 65"),
+    (_set("tuning.qgemv", {"gemm": "dp4a", "quad_sums": True}), "tuning.qgemv.quad_sums", "serve the int8 mma GEMM"),
     (_set("tuning.qgemv", {"tensor_core_formats": ["q6_k"]}), "tuning.qgemv.tensor_core_formats",
      "q6_k: the tensor-core kernel takes q4_k"),
     (_set("tuning.ddtree", {"budget": 8, "max_budget": 6}), "tuning.ddtree.max_budget", "between the budget (8)"),

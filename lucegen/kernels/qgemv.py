@@ -43,8 +43,10 @@ WTILE = MMA_ROWS  # quant.cuh's: rows a tile of W as the GPU holds it, for the f
 # shapes summed (results/logs/h200-s24-run1-qgemm-mma-m-tiles): Q4_K's two row tiles at mt16 (each activation fragment
 # serves both) beat one at mt24 at M = 17-32 (M=23 162 against 181 us; M=32 181 against 235); Q6_K's mt24 (one row
 # tile) beats mt16 at M = 17-24 (M=17 193 against 261; M=23 223 against 267), not at 16 (184 against 179) or 32
-# (300 against 287); mt32 (118 KB a block: one an SM) lost everywhere.
+# (300 against 287); mt32 (118 KB a block: one an SM) lost everywhere. Summed by quads (sums_by_quads), Q4_K's two
+# row tiles take mt24 too (QUAD_TILINGS; H100, session 38: M=23 gate/up 69.9 us against 94.3 at two M-tiles of 16).
 MMA_TILINGS = {"q4_k": ((16, 2),), "q6_k": ((16, 1), (24, 1))}
+QUAD_TILINGS = {"q4_k": ((16, 2), (24, 2))}
 MMA_STAGES = 2
 
 
@@ -64,6 +66,7 @@ class Format:
     aligned16: bool
     mma: bool = False  # the GEMM can run on int8 tensor cores (quant.cuh's F::MMA)
     row_values: int = 0  # rows are a multiple of this many values (0: block_values; Q6_K: a GGUF block, half a pair)
+    quad_sums: bool = False  # summed by quads of lanes where the spec asks (sums_by_quads)
 
     @property
     def quantizes_x(self) -> bool:
@@ -155,7 +158,7 @@ FORMATS = {f.name: f for f in (
     Format("bf16", GGMLType.BF16, "FmtBf16", 8, 16, 1, True),
     Format("q8_0", GGMLType.Q8_0, "FmtQ8_0", 32, 34, 1, False),
     Format("q4_0", GGMLType.Q4_0, "FmtQ4_0", 32, 18, 1, False),
-    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, mma=True),
+    Format("q4_k", GGMLType.Q4_K, "FmtQ4_K", 256, 144, 8, True, mma=True, quad_sums=True),
     Format("q5_k", GGMLType.Q5_K, "FmtQ5_K", 256, 176, 8, True),
     Format("q6_k", GGMLType.Q6_K, "FmtQ6_K", 512, 432, 16, True, mma=True, row_values=256),  # pairs (repack.py)
 )}
@@ -335,27 +338,48 @@ def piece_factors(raw: np.ndarray, fmt: str, x: np.ndarray) -> PieceFactors:
     return PieceFactors(scale, mins, u.astype(np.float32), dx, dx * v.astype(np.float32))  # |u| < 2^24: exact
 
 
-def emulate(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+def sums_by_quads(spec: ChipSpec, fmt: Format) -> bool:
+    """Whether `fmt`'s products are summed by quads of lanes in `spec`'s builds (quant.cuh's QuadSums), not by lanes:
+    for the formats that take them (Format.quad_sums) where the spec asks (tuning.qgemv.quad_sums, with the int8 mma
+    GEMM, whose thread then keeps one class sum an output instead of four: M-tiles of 24 in the registers)."""
+    return fmt.quad_sums and spec.tuning.qgemv.quad_sums
+
+
+def classes(quads: bool) -> int:
+    """Sums a warp keeps apart for an output (qgemm_mma's class sums): its quads', or its lanes'."""
+    return 8 if quads else 32
+
+
+def emulate(raw: np.ndarray, fmt: str, x: np.ndarray, quads: bool = False) -> np.ndarray:
     """Y [M, N] float32 as the quantized formats' kernels compute it, bit for bit: lane l of a warp adds piece l of
     every slice of 32 pieces (K order) into its sum (PieceFactors.accumulate; lanes past the end of a partial last
-    slice add nothing), then the 32 lane sums meet in warp_sum's butterfly."""
+    slice add nothing), then the 32 lane sums meet in warp_sum's butterfly. With quads (sums_by_quads) each quad of
+    lanes adds its 4 terms (each from a sum of 0) pairwise, (t0 + t1) + (t2 + t3), into its sum, and the 8 quads' sums
+    meet in the butterfly's last three steps."""
     pf = piece_factors(raw, fmt, x)
     m, n, pieces = pf.u.shape
-    acc = np.zeros((m, n, 32), np.float32)
+    acc = np.zeros((m, n, classes(quads)), np.float32)
     for s0 in range(0, pieces, 32):
         lanes = min(32, pieces - s0)
-        acc[..., :lanes] = pf.accumulate(acc[..., :lanes], np.arange(s0, s0 + lanes))
-    for w in (16, 8, 4, 2, 1):  # lane l < w adds lane l + w's sum
+        if quads:  # K is whole quads (rows of whole 256-value blocks)
+            t = pf.accumulate(np.zeros((m, n, lanes), np.float32), np.arange(s0, s0 + lanes))
+            quad = (t[..., 0::4] + t[..., 1::4]) + (t[..., 2::4] + t[..., 3::4])
+            acc[..., :lanes // 4] = acc[..., :lanes // 4] + quad
+        else:
+            acc[..., :lanes] = pf.accumulate(acc[..., :lanes], np.arange(s0, s0 + lanes))
+    w = classes(quads) // 2
+    while w:  # lane (quad) l < w adds l + w's sum
         acc[..., :w] = acc[..., :w] + acc[..., w:2 * w]
+        w //= 2
     return acc[..., 0]
 
 
-def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
+def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray, quads: bool = False) -> np.ndarray:
     """[M, N]: a bound on |emulate - reference| (float64). Per value, |x - dx qx| <= dx (1/2 + 2^-16) (rint of
     fl(x fl(1 / dx)), two roundings of a value of at most 127.5), times |w|; and the fp32 roundings, each within
     2^-24 of the magnitudes summed so far ((|scale q| + |min|) |dx qx| per value): per piece fl(dx u), dxv's and
-    up to two in the exact product's own dequantized weight, two FMAs per slice in a lane's sum, 5 in the
-    butterfly."""
+    up to two in the exact product's own dequantized weight, two FMAs per slice in a lane's sum (with quads: and the
+    quad's three adds), 5 in the butterfly."""
     f = fmt_of(fmt)
     qx, dx, _ = quantize_x(x)
     qw, scale, mins = _int_weights(raw, f)
@@ -364,7 +388,7 @@ def quantization_bound(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
     if mins is not None:
         mag += np.abs(np.repeat(mins, 32, axis=1))
     xd = np.repeat(dx, 32, axis=1).astype(np.float64)
-    roundings = 4 + 2 * -(-qx.shape[1] // f.slice_values) + 5
+    roundings = 4 + (5 if quads else 2) * -(-qx.shape[1] // f.slice_values) + 5
     return (xd * (0.5 + 2.0**-16)) @ w.T + roundings * 2.0**-24 * (np.abs(qx) * xd) @ mag.T
 
 
@@ -391,15 +415,15 @@ class Tuning:
     def rows_per_block(self) -> int:
         return MMA_ROWS * self.rows if self.mma else self.threads // 32 * self.rows
 
-    def smem(self, fmt: Format, k: int) -> int:
+    def smem(self, fmt: Format, k: int, quads: bool = False) -> int:
         """Dynamic shared memory of a block: each warp's ring of `stages` items of rows x span slots; for mma the
         larger of the block's ring (`stages` slices of its rows, unpadded, and of mt activation rows, each in a slot
-        of an odd number of 16-byte words) and the 32 lane classes' sums of its rows x mt outputs, which reuse the
+        of an odd number of 16-byte words) and the class sums (classes(quads)) of its rows x mt outputs, which reuse the
         ring's memory, then an mbarrier a stage (sm_90's bulk copies)."""
         if self.mma:
             rows = self.rows_per_block()
             stage = rows * fmt.slice_bytes + self.mt * XSLOT * XBLOCK_BYTES
-            return max(self.stages * stage, 32 * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
+            return max(self.stages * stage, classes(quads) * rows * self.mt * 4) + 8 * self.stages  # + the mbarriers
         return self.threads // 32 * self.stages * self.rows * self.span * fmt.slot_bytes
 
     def grid(self, n: int, m: int) -> int:
@@ -412,7 +436,7 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     """The spec's kernels for rows of K values: the GEMV (M = 1), then the GEMM's M-tiles 2, 4, ... up to the
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
-    that have it also get the GEMMs on int8 tensor cores (MMA_TILINGS, MMA_STAGES), which calls of at least
+    that have it also get the GEMMs on int8 tensor cores (mma_tilings, MMA_STAGES), which calls of at least
     gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
@@ -420,9 +444,15 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.gemm_mma_from)]
     if mma:
-        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in MMA_TILINGS[fmt.name]]
+        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in mma_tilings(spec, fmt)]
     gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks_for(model))
     return [gemv, *gemms]
+
+
+def mma_tilings(spec: ChipSpec, fmt: Format) -> tuple[tuple[int, int], ...]:
+    """(M-tile, row tiles a block) of `fmt`'s mma GEMMs in `spec`'s builds: QUAD_TILINGS' where its sums go by
+    quads, else MMA_TILINGS'."""
+    return QUAD_TILINGS[fmt.name] if sums_by_quads(spec, fmt) else MMA_TILINGS[fmt.name]
 
 
 def tile_from(mt: int) -> int:
@@ -474,8 +504,9 @@ def gguf_pairs(checkpoint) -> list[tuple[str, int]]:
 def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] | None = None,
           extra: Iterable[Tuning] = ()) -> list[KernelUnit]:
     """One unit per format: the GEMV and the GEMM of each of its K (and a kernel for each of the `extra` tunings:
-    bench qgemv --tune; mma ones only for the formats that have it), and the format's dequantizer. By default the pairs of the model in DEFAULT_MIX that the
-    spec runs; an engine loading a GGUF file passes gguf_pairs(file)."""
+    bench qgemv --tune; mma ones only for the formats that have it), and the format's dequantizer, all of them
+    summing as sums_by_quads says. By default the pairs of the model in DEFAULT_MIX that the spec runs; an engine
+    loading a GGUF file passes gguf_pairs(file)."""
     if pairs is None:
         pairs = [(f, k) for f, k in mix_pairs(model, DEFAULT_MIX) if f in spec.tuning.weight_formats]
     pairs = sorted(set(pairs))
@@ -483,21 +514,24 @@ def units(spec: ChipSpec, model: ModelConfig, pairs: Iterable[tuple[str, int]] |
     out = []
     for name in dict.fromkeys(f for f, _ in pairs):
         fmt = fmt_of(name)
+        quads = sums_by_quads(spec, fmt)
         kernels = {}
         for k in sorted(k for f, k in pairs if f == name):
             check_k(fmt, k)
             for t in (*tunings(spec, fmt, k, model.name), *(e for e in extra if fmt.mma or not e.mma)):
                 t = dataclasses.replace(t, span=min(t.span, -(-k // fmt.slice_values)))
-                if t.smem(fmt, k) > spec.chip.smem_per_block:
-                    raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {t.smem(fmt, k)} bytes of shared memory; "
+                smem = t.smem(fmt, k, quads)
+                if smem > spec.chip.smem_per_block:
+                    raise ValueError(f"{spec.name}: {t.name(fmt, k)} needs {smem} bytes of shared memory; "
                                      f"a block may use {spec.chip.smem_per_block}")
                 kernels[t.name(fmt, k)] = {"name": t.name(fmt, k), "k": k, "mt": t.mt, "rows": t.rows,
                                            "span": t.span, "stages": t.stages, "threads": t.threads, "mma": t.mma,
-                                           "smem": t.smem(fmt, k), "min_blocks": t.min_blocks}
+                                           "smem": smem, "min_blocks": t.min_blocks}
         sigs = tuple(KernelSig(k["name"], k["threads"], dynamic_smem=k["smem"]) for k in kernels.values())
         quant = (KernelSig("qquant_x", threads),) if fmt.quantizes_x else ()
         out.append(KernelUnit(f"qgemv_{fmt.name}", "qgemv.cu.j2",
-                              {"fmt": fmt.name, "cls": fmt.cls, "threads": threads, "kernels": list(kernels.values())},
+                              {"fmt": fmt.name, "threads": threads,
+                               "cls": f"QuadSums<{fmt.cls}>" if quads else fmt.cls, "kernels": list(kernels.values())},
                               (*sigs, *quant, KernelSig(f"qdequant_{fmt.name}", threads))))
     return out
 
@@ -527,9 +561,11 @@ class QMatmul:
         self.tunings = list(kernels or tunings(spec, self.fmt, k, model))
         self.mma_from = spec.tuning.qgemv.gemm_mma_from
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
+        self.quads = sums_by_quads(spec, self.fmt)  # how the kernels sum (emulate's quads)
+        self.smem = {t: t.smem(self.fmt, k, self.quads) for t in self.tunings}
         for t, kernel in self.kernels.items():
-            if t.smem(self.fmt, k) > 48 * 1024:  # past the default dynamic shared memory: opt in
-                kernel.set_max_dynamic_smem(t.smem(self.fmt, k))
+            if self.smem[t] > 48 * 1024:  # past the default dynamic shared memory: opt in
+                kernel.set_max_dynamic_smem(self.smem[t])
         self.quant = module.kernel("qquant_x") if self.fmt.quantizes_x else None
         self.quant_blocks = 4 * spec.chip.sm_count
         self.quant_threads = spec.tuning.qgemv.threads
@@ -570,7 +606,7 @@ class QMatmul:
                            m, self.k // 32, stream=stream)
                 x = self.xq
         self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m,
-                        *((ldy,) if t.mt > 1 else ()), smem=t.smem(self.fmt, self.k), stream=stream)
+                        *((ldy,) if t.mt > 1 else ()), smem=self.smem[t], stream=stream)
 
     def tuning_for(self, m: int) -> Tuning:
         return for_rows(self.tunings, m, self.mma_from)

@@ -5,7 +5,9 @@ bit for bit, the activation quantization bit for bit, Y bit for bit numpy's emul
 X W^T, and each row of an M-row GEMM bit-equal to the GEMV of that row. Outputs are poisoned (all bits set: NaN)
 and allocated longer than the kernel may write, so a missed element and a stray write both show.
 
-Run for the GPU's own spec and for the RTX 3090 spec emulated at the GPU's arch (its M-tile, stages and grid).
+Run for the GPU's own spec, for the RTX 3090 spec emulated at the GPU's arch (its M-tile, stages and grid) and for
+the H200 spec (its verify GEMM the mma one, so its Q4_K sums by quads of lanes: qgemv.sums_by_quads) where the GPU
+runs it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from lucegen.kernels import qgemv
 from lucegen.model.config import tiny_config
 from lucegen.model.quants import dequantize
 from lucegen.runtime import DeviceArray, device_info
-from lucegen.spec import load_spec, spec_for_current_device
+from lucegen.spec import SpecError, load_spec, spec_for_current_device
 
 from test_qgemv import draw_rows, draw_x
 
@@ -45,13 +47,18 @@ VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning
             qgemv.Tuning(256, 1, 1, 1, min_blocks=6)]  # the 27B's GEMV floor (specs/h200 model_min_blocks)
 
 
-@pytest.fixture(scope="module", params=["device", "rtx3090"])
+@pytest.fixture(scope="module", params=["device", "rtx3090", "h200"])
 def ops(request, tmp_path_factory):
     """({(format, K): QMatmul}, {format: Dequant}, {(format, K): [QMatmul of each of VARIANTS]}) built for the
-    device's spec or the 3090's."""
+    device's spec, the 3090's or the H200's."""
     spec = spec_for_current_device()
+    if request.param == spec.name:
+        pytest.skip(f"the {spec.name} spec is the device's own")
     if request.param != "device":
-        spec = load_spec(request.param).with_arch(device_info().arch)
+        try:
+            spec = load_spec(request.param).with_arch(device_info().arch)
+        except SpecError as e:
+            pytest.skip(f"this GPU cannot run the {request.param} spec: {e}")
     model = tiny_config()
     result = build(spec, model, qgemv.units(spec, model, PAIRS, extra=VARIANTS), root=tmp_path_factory.mktemp("qgemv"))
     modules = {f: result.module(f"qgemv_{f}") for f in KS}
@@ -82,13 +89,13 @@ def draw(fmt: str, n: int, k: int, m: int, seed: int):
     return draw_rows(fmt, n, k, seed), draw_x(m, k, seed ^ 0x5EED)
 
 
-def expected(raw: np.ndarray, fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expected(raw: np.ndarray, fmt: str, x: np.ndarray, quads: bool) -> tuple[np.ndarray, np.ndarray]:
     """(what the kernel computes, in float64; a bound on |Y - that|). Quantized formats: qgemv.emulate, bit for bit
-    (bound 0). bf16: X W^T (exact decoded weights), every term through at most 8 roundings in its dot8, one per
+    (bound 0), its sums by lanes or by quads of them as the build's. bf16: X W^T (exact decoded weights), every term through at most 8 roundings in its dot8, one per
     later slice of its lane and 5 in the warp's butterfly: (that count) * 2^-24 * |X| |W|^T."""
     f = qgemv.fmt_of(fmt)
     if f.quantizes_x:
-        y = qgemv.emulate(raw, fmt, x).astype(np.float64)
+        y = qgemv.emulate(raw, fmt, x, quads).astype(np.float64)
         return y, np.zeros_like(y)
     slices = -(-x.shape[1] // f.slice_values)
     w = np.abs(dequantize(raw, f.ggml)).astype(np.float64)
@@ -114,12 +121,14 @@ def test_qmatmul_matches_numpy(ops, pair, m, n, seed):
     fmt, k = pair
     raw, x = draw(fmt, n, k, m, seed)
     y = poisoned(m * n)
-    ops[0][pair](qgemv.device_weights(raw, fmt), DeviceArray.from_numpy(x), y, n, m)
+    op = ops[0][pair]
+    op(qgemv.device_weights(raw, fmt), DeviceArray.from_numpy(x), y, n, m)
     out = written(y, m * n).reshape(m, n).astype(np.float64)
-    ref, bound = expected(raw, fmt, x)
+    ref, bound = expected(raw, fmt, x, op.quads)
     assert (np.abs(out - ref) <= bound).all()
     if qgemv.fmt_of(fmt).quantizes_x:  # and the exact product within the argued quantization bound
-        assert (np.abs(out - qgemv.reference(raw, fmt, x)) <= qgemv.quantization_bound(raw, fmt, x) + bound).all()
+        exact_bound = qgemv.quantization_bound(raw, fmt, x, op.quads)
+        assert (np.abs(out - qgemv.reference(raw, fmt, x)) <= exact_bound + bound).all()
     elif m * n >= 64:  # over enough outputs that the norm is not one cancelling sum
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
 
