@@ -166,6 +166,17 @@ def test_the_mma_gemm_with_the_fewest_m_tiles_takes_a_call():
     assert picks == {5: 16, 16: 16, 17: 24, 24: 24, 25: 16, 32: 16, 33: 24, 48: 24, 49: 24, 64: 24}
 
 
+def test_a_block_takes_two_row_tiles_where_the_grid_still_fills_the_gpu():
+    one, two, mt24 = (qgemv.Tuning(256, r, mt, 1, 2, mma=True) for r, mt in ((1, 16), (2, 16), (2, 24)))
+    kernels = [qgemv.Tuning(128, 2, 1, 1), one, two, mt24]
+    pick = lambda m, n: qgemv.for_rows(kernels, m, mma_from=5, n=n, sm_count=132)
+    # two row tiles: 34816 / 32 = 1088 blocks, at least 4 an SM (528); 10240 / 32 = 320 are not: one row tile
+    assert pick(16, 34816) is two and pick(9, 16896) is two and pick(16, 10240) is one and pick(5, 5120) is one
+    assert pick(23, 5120) is mt24  # the only kernel with one M-tile for 23 rows
+    assert qgemv.for_rows(kernels, 16, mma_from=5) is two  # N unknown: the most row tiles
+    assert pick(1, 5120).mt == 1
+
+
 def test_ring_sizes_worked_out_by_hand():
     q4k, q8, q6k = (qgemv.FORMATS[f] for f in ("q4_k", "q8_0", "q6_k"))
     # 8 warps x 4 items x 1 row x 2 slices of 4 blocks of 144 bytes
@@ -214,7 +225,7 @@ def test_the_gemms_take_y_rows_ldy_apart_and_the_gemv_refuses_them(monkeypatch):
         for m in (3, 16):  # a dp4a M-tile, the int8 mma GEMM: Y's row stride is their last argument
             op(w, x, y, n, m, ldy=200)
             name, args = log.launches[-1]
-            assert name == op.tuning_for(m).name(op.fmt, k) and args[3:] == (n, m, 200)
+            assert name == op.tuning_for(m, n).name(op.fmt, k) and args[3:] == (n, m, 200)
         op(w, x, y, n, 1, ldy=200)  # one row: the GEMV, whose rows are n apart
         assert log.launches[-1][1][3:] == (n, 1)
         with pytest.raises(ValueError, match="apart"):

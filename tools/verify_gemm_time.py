@@ -49,7 +49,7 @@ for fmt, label, n, k in SHAPES:
         y = DeviceArray.empty((m, n), np.float32)
         us = _us_per_call(op, ws, x, y, n, m, stream)
         frac = raw.nbytes / (us * 1e-6) / 1e9 / read
-        print(f"{fmt} {label:8} {n:6}x{k:<6} M={m:<3} {op.tuning_for(m).name(qgemv.fmt_of(fmt), k):48} {us:8.1f} us {frac:6.1%}", flush=True)
+        print(f"{fmt} {label:8} {n:6}x{k:<6} M={m:<3} {op.tuning_for(m, n).name(qgemv.fmt_of(fmt), k):48} {us:8.1f} us {frac:6.1%}", flush=True)
         x.free()
         y.free()
     for w in ws:

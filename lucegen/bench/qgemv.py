@@ -175,7 +175,7 @@ def run(recorder: Recorder | None = None, tune_knobs: bool = False) -> None:
                 us = _us_per_call(op, ws, x, y, n, m, stream)
                 gbs = raw.nbytes / (us * 1e-6) / 1e9
                 name = f"{fmt} {n}x{k} M={m}"
-                t = op.tuning_for(m)
+                t = op.tuning_for(m, n)
                 rec.record("qgemv_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1),
                            read_gbs=round(read_gbs, 1), us=round(us, 2), shape=label,
                            tuning=_label(t))

@@ -46,8 +46,13 @@ WTILE = MMA_ROWS  # quant.cuh's: rows a tile of W as the GPU holds it, for the f
 # (300 against 287); mt32 (118 KB a block: one an SM) lost everywhere. Summed by quads (sums_by_quads), Q4_K's two
 # row tiles take mt24 too (QUAD_TILINGS; H100, session 38: M=23 gate/up 69.9 us against 94.3 at two M-tiles of 16).
 MMA_TILINGS = {"q4_k": ((16, 2),), "q6_k": ((16, 1), (24, 1))}
-QUAD_TILINGS = {"q4_k": ((16, 2), (24, 2))}
+QUAD_TILINGS = {"q4_k": ((16, 1), (16, 2), (24, 2))}
 MMA_STAGES = 2
+# A block of two row tiles shares each activation fragment between them, but halves the grid: Q4_K's gate/up (34,816
+# rows, 1,088 blocks at mt16) takes two (54.4 us at M = 16 against 67.4-74.5 in one), qkv (10,240: 320), out and down
+# (5,120: 160) take one (18.8 / 13.8 / 34.3 us against 19.6 / 15.0 / 37.1; H100, session 38 run 4). for_rows takes
+# the most row tiles whose grid holds FILL_BLOCKS blocks an SM: two waves of two (the mma GEMM's blocks an SM).
+FILL_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -460,14 +465,19 @@ def tile_from(mt: int) -> int:
     return max(2, mt // 2 + 1)
 
 
-def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2) -> Tuning:
-    """The kernel for M rows: an int8 mma GEMM where there is one and M >= mma_from (or they are the only kernels),
-    the one with the fewest M-tiles for M, then the smallest M-tile; else the GEMV for one row, the smallest M-tile
-    holding them, or the largest."""
+def for_rows(kernels: Sequence[Tuning], m: int, mma_from: int = 2, n: int | None = None, sm_count: int = 0) -> Tuning:
+    """The kernel for M rows (of N of W, on sm_count SMs): an int8 mma GEMM where there is one and M >= mma_from (or
+    they are the only kernels), the one with the fewest M-tiles for M, then the smallest M-tile, then the most row
+    tiles a block whose grid still gives every SM FILL_BLOCKS blocks (else the fewest: N unknown, the most); else the
+    GEMV for one row, the smallest M-tile holding them, or the largest."""
     mma = [t for t in kernels if t.mma]
     rest = [t for t in kernels if not t.mma]
     if mma and (not rest or m >= max(2, mma_from)):
-        return min(mma, key=lambda t: (-(-m // t.mt), t.mt))
+        best = min(mma, key=lambda t: (-(-m // t.mt), t.mt))
+        tilings = sorted((t for t in mma if t.mt == best.mt), key=lambda t: t.rows)
+        if n is None:
+            return tilings[-1]
+        return next((t for t in reversed(tilings) if t.grid(n, m) >= FILL_BLOCKS * sm_count), tilings[0])
     fits = [t for t in rest if t.mt >= m and (m == 1 or t.mt > 1)]
     return min(fits, key=lambda t: t.mt) if fits else max(rest, key=lambda t: t.mt)
 
@@ -560,6 +570,7 @@ class QMatmul:
         self.fmt, self.k = fmt_of(fmt), k
         self.tunings = list(kernels or tunings(spec, self.fmt, k, model))
         self.mma_from = spec.tuning.qgemv.gemm_mma_from
+        self.sm_count = spec.chip.sm_count
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
         self.quads = sums_by_quads(spec, self.fmt)  # how the kernels sum (emulate's quads)
         self.smem = {t: t.smem(self.fmt, k, self.quads) for t in self.tunings}
@@ -588,7 +599,7 @@ class QMatmul:
                              f"bytes padded to 16 (device_weights); got {w.nbytes}")
         if x.size < m * self.k or y.size < (m - 1) * ldy + n or x.dtype != np.float32 or y.dtype != np.float32:
             raise ValueError(f"x must be fp32 [{m}, {self.k}] and y fp32 [{m}, {n}] (rows {ldy} apart); got {x} and {y}")
-        t = self.tuning_for(m)
+        t = self.tuning_for(m, n)
         if t.mt == 1 and m > 1 and ldy != n:
             raise ValueError(f"{t.name(self.fmt, self.k)} writes Y's rows n = {n} apart, not {ldy}")
         if self.quant is not None:
@@ -608,8 +619,9 @@ class QMatmul:
         self.kernels[t](t.grid(n, m), t.threads, w, x, y, n, m,
                         *((ldy,) if t.mt > 1 else ()), smem=self.smem[t], stream=stream)
 
-    def tuning_for(self, m: int) -> Tuning:
-        return for_rows(self.tunings, m, self.mma_from)
+    def tuning_for(self, m: int, n: int | None = None) -> Tuning:
+        """The kernel a call of M rows (of N of W: the grid it fills, for_rows) takes."""
+        return for_rows(self.tunings, m, self.mma_from, n, self.sm_count)
 
     def free(self) -> None:
         if self.xq is not None:

@@ -44,6 +44,7 @@ VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning
             qgemv.Tuning(256, 2, 4, 2), qgemv.Tuning(256, 1, 1, 2, 4), qgemv.Tuning(128, 2, 1, 1, 2),
             qgemv.Tuning(256, 1, 8, 1, 3), qgemv.Tuning(256, 1, 8, 1, 3, mma=True),
             qgemv.Tuning(256, 1, 16, 1, 2, mma=True), qgemv.Tuning(256, 2, 8, 1, 2, mma=True),
+            qgemv.Tuning(256, 2, 16, 1, 2, mma=True),  # (the main ops' small N take one row tile a block: for_rows)
             qgemv.Tuning(256, 1, 1, 1, min_blocks=6)]  # the 27B's GEMV floor (specs/h200 model_min_blocks)
 
 
