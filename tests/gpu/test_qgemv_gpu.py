@@ -48,6 +48,13 @@ VARIANTS = [qgemv.Tuning(128, 2, 1, 1), qgemv.Tuning(256, 1, 1, 8), qgemv.Tuning
             qgemv.Tuning(256, 1, 1, 1, min_blocks=6)]  # the 27B's GEMV floor (specs/h200 model_min_blocks)
 
 
+def fits(spec, t: qgemv.Tuning) -> bool:
+    """Whether tuning t's kernels fit the spec's shared memory for every pair that gets them (Q6_K's two row tiles at
+    an M-tile of 16 do not fit an RTX 3090's block)."""
+    return all(t.smem(f, k, qgemv.sums_by_quads(spec, f)) <= spec.chip.smem_per_block
+               for f, k in ((qgemv.fmt_of(f), k) for f, k in PAIRS) if f.mma or not t.mma)
+
+
 @pytest.fixture(scope="module", params=["device", "rtx3090", "h200"])
 def ops(request, tmp_path_factory):
     """({(format, K): QMatmul}, {format: Dequant}, {(format, K): [QMatmul of each of VARIANTS]}) built for the
@@ -61,7 +68,8 @@ def ops(request, tmp_path_factory):
         except SpecError as e:
             pytest.skip(f"this GPU cannot run the {request.param} spec: {e}")
     model = tiny_config()
-    result = build(spec, model, qgemv.units(spec, model, PAIRS, extra=VARIANTS), root=tmp_path_factory.mktemp("qgemv"))
+    extra = [t for t in VARIANTS if fits(spec, t)]
+    result = build(spec, model, qgemv.units(spec, model, PAIRS, extra=extra), root=tmp_path_factory.mktemp("qgemv"))
     modules = {f: result.module(f"qgemv_{f}") for f in KS}
 
     def variant(f, k, t):
@@ -69,7 +77,7 @@ def ops(request, tmp_path_factory):
         return qgemv.QMatmul(modules[f], spec, f, k, kernels=(t,))
     return ({(f, k): qgemv.QMatmul(modules[f], spec, f, k) for f, k in PAIRS},
             {f: qgemv.Dequant(modules[f].kernel(f"qdequant_{f}"), spec, spec.tuning.qgemv.threads) for f in KS},
-            {(f, k): [variant(f, k, t) for t in VARIANTS if qgemv.fmt_of(f).mma or not t.mma] for f, k in PAIRS})
+            {(f, k): [variant(f, k, t) for t in extra if qgemv.fmt_of(f).mma or not t.mma] for f, k in PAIRS})
 
 
 def poisoned(n: int) -> DeviceArray:
