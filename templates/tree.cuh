@@ -92,6 +92,18 @@ __device__ __forceinline__ int tree_deltanet_column(int c, int kh, int vh, int j
     return c < F ? deltanet_channel<M>(c, kh, vh, j0) : M::LIN_CONV_DIM + M::LIN_VALUE_DIM + (c - F) * M::LIN_HV + vh;
 }
 
+// Front column c of step s from its raw input x and its window (past, as deltanet_conv's): conv + SiLU into
+// fronts[s][c] (c < FRONT), b and a as they are into gates[s].beta and .decay.
+template <class M, int THREADS, class Past>
+__device__ __forceinline__ void tree_deltanet_front(const float (&w)[M::LIN_CONV_K], int c, int s, float x,
+                                                    float* fronts, DeltaNetGates* gates, Past past) {
+    constexpr int F = TreeDeltaNetSmem<M, THREADS>::FRONT;
+    if (c < F)
+        fronts[s * F + c] = deltanet_conv<M>(w, x, past);
+    else
+        (c == F ? gates[s].beta : gates[s].decay) = x;
+}
+
 // The raw inputs of item (vh, slice)'s fronts into shared memory, each read from global memory once (a node's inputs
 // are in the conv windows of its descendants up to K - 1 levels down): raw row r < K - 1 holds the committed ring's
 // position start - (K - 1) + r (its conv channels; nothing before the sequence), row K - 1 + s step s's in-projection
@@ -100,13 +112,18 @@ __device__ __forceinline__ int tree_deltanet_column(int c, int kh, int vh, int j
 // them at a time with their loads in flight together (a store to raw may alias them for the compiler), each load an
 // add to a column's offset worked out once (a unit (row, column) a thread cost ~120 instructions a load). ring_slot >=
 // 0 (a one-step commit): the step's conv inputs of the channels the item writes (deltanet_writes_channel) also go
-// into that slot of the ring: it is in no window of this launch.
+// into that slot of the ring: it is in no window of this launch. One step (a decode step, a one-step commit): its
+// window is the first batch's K - 1 ring rows, so its fronts are made from the registers (w: the thread's columns'
+// conv taps) and nothing is staged.
 template <class M, int THREADS>
-__device__ __forceinline__ void tree_deltanet_stage(const TreeDeltaNet& T, int vh, int slice, int start, int steps,
-                                                    const int* offsets, float* raw, int ring_slot) {
+__device__ __forceinline__ void tree_deltanet_stage(
+        const TreeDeltaNet& T, int vh, int slice, int start, int steps, const int* offsets, float* raw, int ring_slot,
+        const float (&w)[TreeDeltaNetSmem<M, THREADS>::THREAD_COLS][M::LIN_CONV_K], float* fronts,
+        DeltaNetGates* gates) {
     using Smem = TreeDeltaNetSmem<M, THREADS>;
     constexpr int K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, F = Smem::FRONT, COLS = Smem::COLS, TC = Smem::THREAD_COLS;
     constexpr int BATCH = 8;
+    static_assert(K <= BATCH, "a step's window in one batch");
     const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE, rows = K - 1 + steps;
     int col[TC];
 #pragma unroll
@@ -132,9 +149,19 @@ __device__ __forceinline__ void tree_deltanet_stage(const TreeDeltaNet& T, int v
             for (int i = 0; i < TC; ++i) {
                 const int r = r0 + b, c = threadIdx.x + i * THREADS;
                 if (r >= rows || c >= COLS) continue;
-                raw[r * COLS + c] = v[b][i];
+                if (steps > 1) raw[r * COLS + c] = v[b][i];
                 if (ring_slot >= 0 && r == K - 1 && c < F && deltanet_writes_channel<M>(c, vh, slice))
                     T.conv_ring[(size_t)ring_slot * C + col[i]] = v[b][i];
+            }
+        if (steps == 1)
+#pragma unroll
+            for (int i = 0; i < TC; ++i) {
+                const int c = threadIdx.x + i * THREADS;
+                if (c < COLS)
+                    tree_deltanet_front<M, THREADS>(w[i], c, 0, v[K - 1][i], fronts, gates, [&](int t, float& y) {
+                        y = v[t][i];
+                        return start - (K - 1) + t >= 0;
+                    });
             }
     }
 }
@@ -174,13 +201,10 @@ __device__ __forceinline__ void tree_deltanet_fronts(
             for (int b = 0; b < SB; ++b) {
                 const int s = s0 + b;
                 if (c >= COLS || s >= steps) break;
-                if (c < F)
-                    fronts[s * F + c] = deltanet_conv<M>(w[i], x[i][b], [&](int t, float& y) {
-                        y = past[i][b][t];
-                        return r[b][t] >= 0;
-                    });
-                else
-                    (c == F ? gates[s].beta : gates[s].decay) = x[i][b];
+                tree_deltanet_front<M, THREADS>(w[i], c, s, x[i][b], fronts, gates, [&](int t, float& y) {
+                    y = past[i][b][t];
+                    return r[b][t] >= 0;
+                });
             }
         }
     }
@@ -251,18 +275,20 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
     // the path's (below).
     const bool own_ring = commit && steps == 1;
     tree_deltanet_stage<M, THREADS>(T, vh, slice, start, steps, offsets, raw,
-                                    own_ring ? (start + depth[step_node(schedule[0])]) % K : -1);
-    for (int s = threadIdx.x; s < steps; s += THREADS) {  // a tap at distance d: an ancestor's step, or a ring row
-        const int node = step_node(schedule[s]), d0 = depth[node];
-        int a = node;
-        for (int d = 1; d < K; ++d) {
-            a = a >= 0 ? parents[a] : -1;
-            const int r = a >= 0 ? K - 1 + step_of[a] : start + d0 - d >= 0 ? K - 1 + d0 - d : -1;
-            taps[s * (K - 1) + K - 1 - d] = r >= 0 ? r * Smem::COLS : -1;
+                                    own_ring ? (start + depth[step_node(schedule[0])]) % K : -1, w, fronts, gates);
+    if (steps > 1) {
+        for (int s = threadIdx.x; s < steps; s += THREADS) {  // a tap at distance d: an ancestor's step, or a ring row
+            const int node = step_node(schedule[s]), d0 = depth[node];
+            int a = node;
+            for (int d = 1; d < K; ++d) {
+                a = a >= 0 ? parents[a] : -1;
+                const int r = a >= 0 ? K - 1 + step_of[a] : start + d0 - d >= 0 ? K - 1 + d0 - d : -1;
+                taps[s * (K - 1) + K - 1 - d] = r >= 0 ? r * Smem::COLS : -1;
+            }
         }
+        __syncthreads();
+        tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);
     }
-    __syncthreads();
-    tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);
     __syncthreads();
     for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
         const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);

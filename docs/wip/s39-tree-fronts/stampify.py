@@ -24,9 +24,9 @@ new = "tree_deltanet_stage" in s
 if new:
     ins("    if (mode != 2) wait_for_prior_grids();\n", "    LAB_STAMP(1);\n", after=False)
     ins("    if (mode != 2) wait_for_prior_grids();\n", "    LAB_STAMP(2);\n")
-    ins("own_ring ? (start + depth[step_node(schedule[0])]) % K : -1);\n", "    LAB_STAMP(4);\n")
-    ins("    tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);\n", "    LAB_STAMP(5);\n", after=False)
-    ins("    tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);\n    __syncthreads();\n", "    LAB_STAMP(6);\n")
+    ins("% K : -1, w, fronts, gates);\n", "    LAB_STAMP(4);\n")  # a decode step's fronts are made in the stage
+    ins("        tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);\n", "        LAB_STAMP(5);\n", after=False)
+    ins("        tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);\n    }\n    __syncthreads();\n", "    LAB_STAMP(6);\n")
 else:
     ins("    const int start = tree_start(T.io, T.start);\n", "    LAB_STAMP(2);\n", after=False)
     ins("        slots[s] = pos % K;\n    }\n    __syncthreads();\n", "    LAB_STAMP(5);\n")
