@@ -332,6 +332,7 @@ struct GatedNormHead {
     }
 };
 
+// One head's GatedNormHead, loaded and stored.
 template <class M, class XS>
 __device__ __forceinline__ void deltanet_gated_norm_head(const float* out, const float* z, const float* w, XS xs,
                                                          int h, XRow xq = {}) {

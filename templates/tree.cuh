@@ -215,8 +215,7 @@ __device__ __forceinline__ void tree_deltanet_fronts(
 // barrier. mode (tree.cu.j2's commit): 0 a verify; 1 a decode step, 2 a path commit (no wait for the kernel before):
 // with either the final state is written back and the ring updated. `ints` holds 5 MAX_NODES + MAX_NODES K ints of
 // shared memory (the tree's parents, depth and schedule, the step of each node, each step's row offset, taps and
-// ring slot),
-// `flag` one.
+// ring slot), `flag` one.
 template <class M, int THREADS, int MAX_NODES>
 __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
