@@ -285,43 +285,60 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
     deltanet_update<M, THREADS, true>(S, work, gt, state, L.out + vh * DV + j0);
 }
 
-// Head h's gated RMSNorm (weight w [dv], gate silu(z)) into xs, by the calling warp: one pass over the head's
-// outputs and gates (their loads in flight together) makes w o silu(z) in registers and sums o^2, then each is
-// scaled by 1 / rms(o) and stored. With xq (heads of whole XBlocks: dv a multiple of 32), the head's XBlocks in the
-// row xq too (quant.cuh's XRow), quantized from the registers (quantize_xblock_lanes: quantize_xblock's bytes).
+// Head h's gated RMSNorm (weight w [dv], gate silu(z)) by the calling warp, in two parts, so that a warp can have
+// several heads' loads in flight: load() reads the head's outputs and gates (their loads in flight together) and makes
+// w o silu(z) in registers and the sum of o^2; store() scales each by 1 / rms(o) and stores it into xs, and with xq
+// (heads of whole XBlocks: dv a multiple of 32) the head's XBlocks into the row xq too (quant.cuh's XRow), quantized
+// from the registers (quantize_xblock_lanes: quantize_xblock's bytes).
+template <class M>
+struct GatedNormHead {
+    static constexpr int DV = M::LIN_DV, QUADS = DV / 4, ROUNDS = (QUADS + 31) / 32;
+    static_assert(DV % 4 == 0, "heads are whole float4 quads");
+    float4 v[ROUNDS];
+    float ss;
+    __device__ void load(const float* out, const float* z, const float* w, int h) {
+        const int lane = threadIdx.x % 32;
+        const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
+        const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
+        ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROUNDS; ++i) {
+            const int q = 32 * i + lane;
+            v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (q < QUADS) {
+                const float4 o = load_coherent(o4 + q), g = load_coherent(g4 + q);
+                const float4 s = reinterpret_cast<const float4*>(w)[q];
+                ss += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
+                v[i] = make_float4(s.x * o.x * silu(g.x), s.y * o.y * silu(g.y), s.z * o.z * silu(g.z),
+                                   s.w * o.w * silu(g.w));
+            }
+        }
+    }
+    template <class XS>
+    __device__ void store(XS xs, int h, XRow xq = {}) {
+        const int lane = threadIdx.x % 32;
+        const float rstd = rsqrtf(warp_sum(ss) / DV + M::EPS);
+#pragma unroll
+        for (int i = 0; i < ROUNDS; ++i) {
+            const int q = 32 * i + lane;
+            v[i] = make_float4(v[i].x * rstd, v[i].y * rstd, v[i].z * rstd, v[i].w * rstd);
+            if (q < QUADS) xs.quad(h * QUADS + q) = v[i];
+            if constexpr (DV % 32 == 0)
+                if (xq.p != nullptr) {  // (every lane: the shuffles; an XBlock's 8 lanes all hold quads or none)
+                    const XBlockLanes part = quantize_xblock_lanes(v[i], lane);
+                    if (q < QUADS) part.store(xq.at((h * DV + 4 * q) / 32), lane);
+                }
+        }
+    }
+};
+
+// One head's GatedNormHead, loaded and stored.
 template <class M, class XS>
 __device__ __forceinline__ void deltanet_gated_norm_head(const float* out, const float* z, const float* w, XS xs,
                                                          int h, XRow xq = {}) {
-    constexpr int DV = M::LIN_DV, QUADS = DV / 4, ROUNDS = (QUADS + 31) / 32;
-    static_assert(DV % 4 == 0, "heads are whole float4 quads");
-    const int lane = threadIdx.x % 32;
-    const float4* o4 = reinterpret_cast<const float4*>(out + h * DV);
-    const float4* g4 = reinterpret_cast<const float4*>(z + h * DV);
-    float4 v[ROUNDS];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < ROUNDS; ++i) {
-        const int q = 32 * i + lane;
-        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (q < QUADS) {
-            const float4 o = load_coherent(o4 + q), g = load_coherent(g4 + q);
-            const float4 s = reinterpret_cast<const float4*>(w)[q];
-            ss += o.x * o.x + o.y * o.y + o.z * o.z + o.w * o.w;
-            v[i] = make_float4(s.x * o.x * silu(g.x), s.y * o.y * silu(g.y), s.z * o.z * silu(g.z), s.w * o.w * silu(g.w));
-        }
-    }
-    const float rstd = rsqrtf(warp_sum(ss) / DV + M::EPS);
-#pragma unroll
-    for (int i = 0; i < ROUNDS; ++i) {
-        const int q = 32 * i + lane;
-        v[i] = make_float4(v[i].x * rstd, v[i].y * rstd, v[i].z * rstd, v[i].w * rstd);
-        if (q < QUADS) xs.quad(h * QUADS + q) = v[i];
-        if constexpr (DV % 32 == 0)
-            if (xq.p != nullptr) {  // (every lane: the shuffles; an XBlock's 8 lanes all hold quads or none)
-                const XBlockLanes part = quantize_xblock_lanes(v[i], lane);
-                if (q < QUADS) part.store(xq.at((h * DV + 4 * q) / 32), lane);
-            }
-    }
+    GatedNormHead<M> g;
+    g.load(out, z, w, h);
+    g.store(xs, h, xq);
 }
 
 // The gated RMSNorm of the head outputs into xs (shared memory as the staged input of the out-projection, or a

@@ -66,77 +66,146 @@ constexpr int deltanet_norm_heads() {
     return M::LIN_DV % 32 == 0 ? 1 : 32 / M::LIN_DV;
 }
 
-// Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, then per step its gates, its
-// sums of squares of q and k, and its front (q, k and the slice's v after conv + SiLU).
+// Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, or while the fronts are made
+// (before the stack's first use) the raw inputs they read, K - 1 + steps rows of COLS (tree_deltanet_stage),
+// whichever is larger; then per step its gates, its sums of squares of q and k, and its front (q, k and the slice's v
+// after conv + SiLU).
 template <class M, int THREADS>
 struct TreeDeltaNetSmem {
     using P = DeltaNetSplit<M, THREADS>;
     static constexpr int LEVEL = P::WARP_COLS * P::LANE_ROWS * THREADS;
     static constexpr int FRONT = 2 * M::LIN_DK + M::LIN_SLICE;
+    static constexpr int COLS = FRONT + 2;                          // a raw row: the conv channels, then b and a
+    static constexpr int THREAD_COLS = (COLS + THREADS - 1) / THREADS;  // raw columns a thread (tree_deltanet_fronts)
     static constexpr int PER_STEP = 4 + 2 + FRONT;
     static_assert(sizeof(DeltaNetGates) == 16 && LEVEL % 4 == 0, "gates are float4-aligned");
+    __device__ static int before_steps(int levels, int steps) {  // the stack levels or the raw rows
+        return max(levels * LEVEL, (M::LIN_CONV_K - 1 + steps) * COLS + 3) / 4 * 4;
+    }
 };
 
-// Front units u0, u0 + THREADS, .. (UNITS of them) of tree DeltaNet item (vh, slice), over runs of RUN steps: unit u
-// takes column c = u % (F + 2) of the run from step u / (F + 2) RUN. Columns c < F (TreeDeltaNetSmem::FRONT) are the
-// item's conv channels: conv + SiLU into fronts[step][c], and with ring_slot >= 0 (a decode step's commit) the
-// channel's input into that slot of the ring where the item writes the channel (deltanet_writes_channel). Columns F
-// and F + 1 are the gates' inputs of value head vh, b and a, stored raw into gates[step].beta and .decay. A unit
-// works out its column and loads its conv taps once; every load of the units is issued before the first is used (a
-// store to `fronts` or the ring may alias them for the compiler, which would otherwise wait for each unit's loads in
-// turn: per element, units of one step a pass took ~150 instructions, ncu on the 27B at 23 nodes).
-template <class M, int THREADS, int RUN, int UNITS>
-__device__ __forceinline__ void tree_deltanet_fronts(const TreeDeltaNet& T, int vh, int slice, int steps,
-                                                     const int* schedule, const int* windows, float* fronts,
-                                                     DeltaNetGates* gates, int ring_slot, int u0) {
-    constexpr int K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, F = TreeDeltaNetSmem<M, THREADS>::FRONT, COLS = F + 2;
-    static_assert(RUN * (K - 1) <= 32, "a unit's taps in one word");
-    const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE, units = (steps + RUN - 1) / RUN * COLS;
-    // unit u's input column in an in-projection row: its conv channel, or b or a of head vh
-    const auto column = [&](int c) {
-        return c < F ? deltanet_channel<M>(c, kh, vh, j0) : C + M::LIN_VALUE_DIM + (c - F) * M::LIN_HV + vh;
-    };
-    float w[UNITS][K], x[UNITS][RUN], past[UNITS][RUN][K - 1];
-    unsigned has[UNITS];  // bit (K - 1) b + t: step b of the run has its tap t (before the sequence, or b and a: not)
+// Column c of an item's raw rows in an in-projection row: conv channel c (c < FRONT), or b (FRONT) or a (FRONT + 1) of
+// value head vh.
+template <class M, int THREADS>
+__device__ __forceinline__ int tree_deltanet_column(int c, int kh, int vh, int j0) {
+    constexpr int F = TreeDeltaNetSmem<M, THREADS>::FRONT;
+    return c < F ? deltanet_channel<M>(c, kh, vh, j0) : M::LIN_CONV_DIM + M::LIN_VALUE_DIM + (c - F) * M::LIN_HV + vh;
+}
+
+// Front column c of step s from its raw input x and its window (past, as deltanet_conv's): conv + SiLU into
+// fronts[s][c] (c < FRONT), b and a as they are into gates[s].beta and .decay.
+template <class M, int THREADS, class Past>
+__device__ __forceinline__ void tree_deltanet_front(const float (&w)[M::LIN_CONV_K], int c, int s, float x,
+                                                    float* fronts, DeltaNetGates* gates, Past past) {
+    constexpr int F = TreeDeltaNetSmem<M, THREADS>::FRONT;
+    if (c < F)
+        fronts[s * F + c] = deltanet_conv<M>(w, x, past);
+    else
+        (c == F ? gates[s].beta : gates[s].decay) = x;
+}
+
+// The raw inputs of item (vh, slice)'s fronts into shared memory, each read from global memory once (a node's inputs
+// are in the conv windows of its descendants up to K - 1 levels down): raw row r < K - 1 holds the committed ring's
+// position start - (K - 1) + r (its conv channels; nothing before the sequence), row K - 1 + s step s's in-projection
+// inputs (offsets[s]: its row in mixed), COLS of them (tree_deltanet_column). Thread t stages the columns it makes the
+// fronts of (t, t + THREADS, ..: tree_deltanet_fronts reads no other, so no barrier between the two), BATCH rows of
+// them at a time with their loads in flight together (a store to raw may alias them for the compiler), each load an
+// add to a column's offset worked out once (a unit (row, column) a thread cost ~120 instructions a load). ring_slot >=
+// 0 (a one-step commit): the step's conv inputs of the channels the item writes (deltanet_writes_channel) also go
+// into that slot of the ring: it is in no window of this launch. One step (a decode step, a one-step commit): its
+// window is the first batch's K - 1 ring rows, so its fronts are made from the registers (w: the thread's columns'
+// conv taps) and nothing is staged.
+template <class M, int THREADS>
+__device__ __forceinline__ void tree_deltanet_stage(
+        const TreeDeltaNet& T, int vh, int slice, int start, int steps, const int* offsets, float* raw, int ring_slot,
+        const float (&w)[TreeDeltaNetSmem<M, THREADS>::THREAD_COLS][M::LIN_CONV_K], float* fronts,
+        DeltaNetGates* gates) {
+    using Smem = TreeDeltaNetSmem<M, THREADS>;
+    constexpr int K = M::LIN_CONV_K, C = M::LIN_CONV_DIM, F = Smem::FRONT, COLS = Smem::COLS, TC = Smem::THREAD_COLS;
+    constexpr int BATCH = 8;
+    static_assert(K <= BATCH, "a step's window in one batch");
+    const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE, rows = K - 1 + steps;
+    int col[TC];
 #pragma unroll
-    for (int n = 0; n < UNITS; ++n) {
-        const int u = min(u0 + n * THREADS, units - 1), c = u % COLS, s0 = u / COLS * RUN, ch = column(c);
+    for (int i = 0; i < TC; ++i)
+        col[i] = tree_deltanet_column<M, THREADS>(min(static_cast<int>(threadIdx.x) + i * THREADS, COLS - 1), kh, vh, j0);
+    for (int r0 = 0; r0 < rows; r0 += BATCH) {
+        float v[BATCH][TC];
 #pragma unroll
-        for (int t = 0; t < K; ++t) w[n][t] = c < F ? T.conv_w[ch * K + t] : 0.f;
-        has[n] = 0;
+        for (int b = 0; b < BATCH; ++b) {
+            const int r = r0 + b, p = start - (K - 1) + r;  // p: a ring row's position
+            const float* row = r >= rows ? nullptr
+                             : r >= K - 1 ? T.mixed + offsets[r - (K - 1)]
+                             : p >= 0 ? T.conv_ring + (size_t)(p % K) * C : nullptr;
 #pragma unroll
-        for (int b = 0; b < RUN; ++b) {
-            const bool live = s0 + b < steps;
-            const int s = live ? s0 + b : s0;
-            const int* window = windows + s * (K - 1);
-            x[n][b] = live ? load_coherent(T.mixed + (size_t)step_node(schedule[s]) * T.stride + ch) : 0.f;
-#pragma unroll
-            for (int t = 0; t < K - 1; ++t) {
-                const int src = live && c < F ? window[t] : -1;
-                has[n] |= static_cast<unsigned>(src != -1) << ((K - 1) * b + t);
-                past[n][b][t] = src == -1 ? 0.f
-                              : load_coherent(src >= 0 ? T.mixed + (size_t)src * T.stride + ch
-                                                       : T.conv_ring + (size_t)(-2 - src) * C + ch);
+            for (int i = 0; i < TC; ++i) {
+                const int c = threadIdx.x + i * THREADS;
+                v[b][i] = row != nullptr && c < COLS && (r >= K - 1 || c < F) ? load_coherent(row + col[i]) : 0.f;
             }
         }
-    }
 #pragma unroll
-    for (int n = 0; n < UNITS; ++n) {
-        const int u = u0 + n * THREADS, c = u % COLS, s0 = u / COLS * RUN;
-        if (u >= units) break;
+        for (int b = 0; b < BATCH; ++b)
 #pragma unroll
-        for (int b = 0; b < RUN; ++b) {
-            if (s0 + b >= steps) break;
-            if (c >= F) {
-                (c == F ? gates[s0 + b].beta : gates[s0 + b].decay) = x[n][b];
-                continue;
+            for (int i = 0; i < TC; ++i) {
+                const int r = r0 + b, c = threadIdx.x + i * THREADS;
+                if (r >= rows || c >= COLS) continue;
+                if (steps > 1) raw[r * COLS + c] = v[b][i];
+                if (ring_slot >= 0 && r == K - 1 && c < F && deltanet_writes_channel<M>(c, vh, slice))
+                    T.conv_ring[(size_t)ring_slot * C + col[i]] = v[b][i];
             }
-            fronts[(s0 + b) * F + c] = deltanet_conv<M>(w[n], x[n][b], [&](int t, float& y) {
-                y = past[n][b][t];
-                return (has[n] >> ((K - 1) * b + t) & 1u) != 0;
-            });
-            if (ring_slot >= 0 && deltanet_writes_channel<M>(c, vh, slice))
-                T.conv_ring[(size_t)ring_slot * C + column(c)] = x[n][b];
+        if (steps == 1)
+#pragma unroll
+            for (int i = 0; i < TC; ++i) {
+                const int c = threadIdx.x + i * THREADS;
+                if (c < COLS)
+                    tree_deltanet_front<M, THREADS>(w[i], c, 0, v[K - 1][i], fronts, gates, [&](int t, float& y) {
+                        y = v[t][i];
+                        return start - (K - 1) + t >= 0;
+                    });
+            }
+    }
+}
+
+// The fronts from the raw rows: thread t takes raw columns t, t + THREADS, .. (w: their conv taps) through every step,
+// SB steps of all of them at a time with their loads first: conv + SiLU into fronts[s][c] (c < F), b and a as they
+// are into gates[s].beta and .decay. taps: [steps][K - 1] where each step's window lies in raw (a row's first
+// element), oldest first (-1: before the sequence).
+template <class M, int THREADS>
+__device__ __forceinline__ void tree_deltanet_fronts(
+        const float* raw, const int* taps, int steps,
+        const float (&w)[TreeDeltaNetSmem<M, THREADS>::THREAD_COLS][M::LIN_CONV_K], float* fronts,
+        DeltaNetGates* gates) {
+    using Smem = TreeDeltaNetSmem<M, THREADS>;
+    constexpr int K = M::LIN_CONV_K, F = Smem::FRONT, COLS = Smem::COLS, TC = Smem::THREAD_COLS, SB = 2;
+    for (int s0 = 0; s0 < steps; s0 += SB) {
+        int r[SB][K - 1];
+#pragma unroll
+        for (int b = 0; b < SB; ++b)
+#pragma unroll
+            for (int t = 0; t < K - 1; ++t) r[b][t] = taps[min(s0 + b, steps - 1) * (K - 1) + t];
+        float x[TC][SB], past[TC][SB][K - 1];
+#pragma unroll
+        for (int i = 0; i < TC; ++i) {
+            const int c = min(static_cast<int>(threadIdx.x) + i * THREADS, COLS - 1);
+#pragma unroll
+            for (int b = 0; b < SB; ++b) {
+                x[i][b] = raw[(K - 1 + min(s0 + b, steps - 1)) * COLS + c];
+#pragma unroll
+                for (int t = 0; t < K - 1; ++t) past[i][b][t] = raw[max(r[b][t], 0) + c];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < TC; ++i) {
+            const int c = threadIdx.x + i * THREADS;
+#pragma unroll
+            for (int b = 0; b < SB; ++b) {
+                const int s = s0 + b;
+                if (c >= COLS || s >= steps) break;
+                tree_deltanet_front<M, THREADS>(w[i], c, s, x[i][b], fronts, gates, [&](int t, float& y) {
+                    y = past[i][b][t];
+                    return r[b][t] >= 0;
+                });
+            }
         }
     }
 }
@@ -144,8 +213,9 @@ __device__ __forceinline__ void tree_deltanet_fronts(const TreeDeltaNet& T, int 
 // Item (vh, slice) over the schedule: first every step's front (conv + SiLU, l2norm sums, gates: they do not depend
 // on the state) spread over the block, then the recurrence step after step, each warp on its own columns with no
 // barrier. mode (tree.cu.j2's commit): 0 a verify; 1 a decode step, 2 a path commit (no wait for the kernel before):
-// with either the final state is written back and the ring updated. `ints` holds 3 MAX_NODES + MAX_NODES K ints of
-// shared memory (the tree's parents, depth and schedule, each step's window and ring slot), `flag` one.
+// with either the final state is written back and the ring updated. `ints` holds 5 MAX_NODES + MAX_NODES K ints of
+// shared memory (the tree's parents, depth and schedule, the step of each node, each step's row offset, taps and
+// ring slot), `flag` one.
 template <class M, int THREADS, int MAX_NODES>
 __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int slice, float* smem, int* ints,
                                    int* flag) {
@@ -154,62 +224,70 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
     using Smem = TreeDeltaNetSmem<M, THREADS>;
     constexpr int F = Smem::FRONT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int j0 = slice * M::LIN_SLICE, steps = T.steps;
+    const int kh = deltanet_key_head<M>(vh), j0 = slice * M::LIN_SLICE, steps = T.steps;
     const bool commit = mode != 0;
     float* state = T.state + ((size_t)vh * DV + j0) * DK;
     float* stack = smem;
-    DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + T.levels * Smem::LEVEL);
+    float* raw = smem;  // the fronts' inputs, before the stack's first use
+    DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + Smem::before_steps(T.levels, steps));
     float* sums = reinterpret_cast<float*>(gates + steps);  // [steps][2]
     float* fronts = sums + 2 * steps;                        // [steps][F]
     int* parents = ints;
     int* depth = parents + MAX_NODES;
     int* schedule = depth + MAX_NODES;
-    int* windows = schedule + MAX_NODES;  // [steps][K-1] sources, oldest first: a row of mixed (>= 0), a ring slot
-                                          // s (-2 - s) or nothing (-1: before the sequence)
-    int* slots = windows + MAX_NODES * (K - 1);  // [steps] the ring slot of each step's position (the commit's; kept
-                                                 // here, the position need not stay in a register to the end)
+    int* step_of = schedule + MAX_NODES;  // [nodes] the step that visits the node (the schedule's nodes')
+    int* offsets = step_of + MAX_NODES;   // [steps] the step's row in mixed, as an offset
+    int* taps = offsets + MAX_NODES;      // [steps][K-1] each step's window in raw (tree_deltanet_fronts)
+    int* slots = taps + MAX_NODES * (K - 1);  // [steps] the ring slot of each step's position (the commit's; kept
+                                              // here, the position need not stay in a register to the end)
     __shared__ float head_gate[2];  // the head's A_log and dt_bias (the gates')
-    const auto load_tree = [&] {    // the tree and schedule into shared memory, and head_gate
-        for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
-            parents[i] = T.parents[i];
-            depth[i] = T.depth[i];
-        }
-        for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
-        if (threadIdx.x < 2) head_gate[threadIdx.x] = (threadIdx.x == 0 ? T.a_log : T.dt_bias)[vh];
-    };
-    // A decode step's tree is the one-node tree uploaded before any launch: read before the wait for the kernel
-    // before, so that its round trip runs under that kernel's end. A verify's or a path's tree is read after it.
-    if (mode == 1) load_tree();
+    // The tree, the schedule and the conv taps are read before the wait for the kernel before (a decode step's tree
+    // is the one-node tree uploaded before any launch, a verify's is uploaded before its forward), so that their round
+    // trip runs under that kernel's end.
+    for (int i = threadIdx.x; i < T.nodes; i += THREADS) {
+        parents[i] = T.parents[i];
+        depth[i] = T.depth[i];
+    }
+    for (int i = threadIdx.x; i < steps; i += THREADS) schedule[i] = T.schedule[i];
+    if (threadIdx.x < 2) head_gate[threadIdx.x] = (threadIdx.x == 0 ? T.a_log : T.dt_bias)[vh];
+    float w[Smem::THREAD_COLS][K];
+#pragma unroll
+    for (int i = 0; i < Smem::THREAD_COLS; ++i) {
+        const int c = min(static_cast<int>(threadIdx.x) + i * THREADS, F - 1);
+#pragma unroll
+        for (int t = 0; t < K; ++t) w[i][t] = T.conv_w[deltanet_channel<M>(c, kh, vh, j0) * K + t];
+    }
     if (mode != 2) wait_for_prior_grids();
-    if (mode != 1) load_tree();
     const int start = tree_start(T.io, T.start);
     float S[P::WARP_COLS][P::LANE_ROWS];
     deltanet_load_state<M, THREADS>(S, state, start > 0);  // first: the latency overlaps the fronts
     __syncthreads();
     for (int s = threadIdx.x; s < steps; s += THREADS) {
-        const int node = step_node(schedule[s]), pos = start + depth[node];
-        int a = node;
-        for (int d = 1; d < K; ++d) {
-            a = a >= 0 ? parents[a] : -1;
-            windows[s * (K - 1) + K - 1 - d] = a >= 0 ? a : pos - d >= 0 ? -2 - (pos - d) % K : -1;
-        }
-        slots[s] = pos % K;
+        const int node = step_node(schedule[s]);
+        step_of[node] = s;
+        offsets[s] = node * T.stride;
+        slots[s] = (start + depth[node]) % K;
     }
     __syncthreads();
     // One step (a decode step, or a commit of one token): each item writes its own channels' inputs into the ring
-    // as it reads them (deltanet_writes_channel, as the megakernel does): their slot, position % K, is in no window
-    // of this launch. More steps: the last item to finish writes the path's (below).
+    // as it reads them (deltanet_writes_channel, as the megakernel does). More steps: the last item to finish writes
+    // the path's (below).
     const bool own_ring = commit && steps == 1;
-    // The fronts: a decode step's in one pass of all of a thread's units (one round trip), a tree's a unit of RUN
-    // steps a pass.
-    constexpr int RUN = 4;
-    const int ring_slot = own_ring ? slots[0] : -1;
-    if (steps == 1)
-        tree_deltanet_fronts<M, THREADS, 1, (F + 2 + THREADS - 1) / THREADS>(T, vh, slice, steps, schedule, windows,
-                                                                             fronts, gates, ring_slot, threadIdx.x);
-    else
-        for (int u0 = threadIdx.x; u0 < (steps + RUN - 1) / RUN * (F + 2); u0 += THREADS)
-            tree_deltanet_fronts<M, THREADS, RUN, 1>(T, vh, slice, steps, schedule, windows, fronts, gates, ring_slot, u0);
+    tree_deltanet_stage<M, THREADS>(T, vh, slice, start, steps, offsets, raw,
+                                    own_ring ? (start + depth[step_node(schedule[0])]) % K : -1, w, fronts, gates);
+    if (steps > 1) {
+        for (int s = threadIdx.x; s < steps; s += THREADS) {  // a tap at distance d: an ancestor's step, or a ring row
+            const int node = step_node(schedule[s]), d0 = depth[node];
+            int a = node;
+            for (int d = 1; d < K; ++d) {
+                a = a >= 0 ? parents[a] : -1;
+                const int r = a >= 0 ? K - 1 + step_of[a] : start + d0 - d >= 0 ? K - 1 + d0 - d : -1;
+                taps[s * (K - 1) + K - 1 - d] = r >= 0 ? r * Smem::COLS : -1;
+            }
+        }
+        __syncthreads();
+        tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);
+    }
     __syncthreads();
     for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
         const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);
@@ -266,22 +344,36 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
             }
         }
     // The gated RMSNorm of the nodes' outputs, here rather than in a launch of its own: the last of the blocks of a
-    // group of heads (deltanet_norm_heads) to finish norms the group in every node, a warp a node, and writes its
-    // XBlocks: a head's own from the registers, a group's of several heads from the values written.
-    constexpr int HG = deltanet_norm_heads<M>();
+    // group of heads (deltanet_norm_heads) to finish norms the group in every node, a warp NB nodes at a time (their
+    // loads in flight together), and writes its XBlocks: a head's own from the registers, a group's of several heads
+    // from the values written.
+    constexpr int HG = deltanet_norm_heads<M>(), NB = 4;
+    const int h0 = vh / HG * HG;
+    const auto row = [&](int s) { return (size_t)step_node(schedule[s]) * M::LIN_VALUE_DIM; };
     if (T.normed != nullptr && last_to_arrive(T.norm_tickets + vh / HG, HG * gridDim.y, flag))
-        for (int s = warp; s < steps; s += P::WARPS) {
-            const size_t row = (size_t)step_node(schedule[s]) * M::LIN_VALUE_DIM;
-            const float* z = T.mixed + (size_t)step_node(schedule[s]) * T.stride + C;
-            const int h0 = vh / HG * HG;
-            const XRow xq = xrow(T.normed_q, step_node(schedule[s]), M::LIN_VALUE_DIM / 32);
-            for (int h = h0; h < h0 + HG; ++h)
-                deltanet_gated_norm_head<M>(T.out + row, z, T.norm_w, GlobalQuads{reinterpret_cast<float4*>(T.normed + row)}, h,
-                                            HG == 1 ? xq : XRow{});
-            if constexpr (HG > 1) {
-                __syncwarp();  // the group's values are written before its XBlocks read them
-                if (T.normed_q != nullptr && lane < HG * DV / 32)
-                    *xq.at(h0 * DV / 32 + lane) = quantize_xblock(T.normed + row + h0 * DV + 32 * lane);
+        for (int s0 = warp; s0 < steps; s0 += NB * P::WARPS) {
+            GatedNormHead<M> g[NB][HG];
+#pragma unroll
+            for (int i = 0; i < NB; ++i) {  // steps past the last: the last one's loads again, not stored
+                const int s = min(s0 + i * P::WARPS, steps - 1);
+                const float* z = T.mixed + (size_t)step_node(schedule[s]) * T.stride + C;
+#pragma unroll
+                for (int h = 0; h < HG; ++h) g[i][h].load(T.out + row(s), z, T.norm_w, h0 + h);
+            }
+#pragma unroll
+            for (int i = 0; i < NB; ++i) {
+                const int s = s0 + i * P::WARPS;
+                if (s >= steps) break;
+                const XRow xq = xrow(T.normed_q, step_node(schedule[s]), M::LIN_VALUE_DIM / 32);
+                float* normed = T.normed + row(s);
+#pragma unroll
+                for (int h = 0; h < HG; ++h)
+                    g[i][h].store(GlobalQuads{reinterpret_cast<float4*>(normed)}, h0 + h, HG == 1 ? xq : XRow{});
+                if constexpr (HG > 1) {
+                    __syncwarp();  // the group's values are written before its XBlocks read them
+                    if (T.normed_q != nullptr && lane < HG * DV / 32)
+                        *xq.at(h0 * DV / 32 + lane) = quantize_xblock(normed + h0 * DV + 32 * lane);
+                }
             }
         }
 }

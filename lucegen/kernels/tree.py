@@ -247,10 +247,13 @@ def norm_heads(cfg: ModelConfig) -> int:
 
 def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
     """Dynamic shared memory of tree_deltanet for a schedule of `steps` steps using `levels` stack levels
-    (templates/tree.cuh: TreeDeltaNetSmem): the levels, then per step its gates, sums and front."""
+    (templates/tree.cuh: TreeDeltaNetSmem): the levels, or the fronts' raw rows where they are more, then per step
+    its gates, sums and front."""
     warps, lane_rows = DN_THREADS // 32, -(-cfg.linear_key_head_dim // 32)
     level = -(-dn_slice(cfg) // warps) * lane_rows * DN_THREADS
-    return 4 * (levels * level + steps * (4 + 2 + 2 * cfg.linear_key_head_dim + dn_slice(cfg)))
+    front = 2 * cfg.linear_key_head_dim + dn_slice(cfg)
+    raw = (cfg.linear_conv_kernel_dim - 1 + steps) * (front + 2)
+    return 4 * (-(-max(levels * level, raw) // 4) * 4 + steps * (4 + 2 + front))
 
 
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
