@@ -161,16 +161,6 @@ __device__ __forceinline__ float quad_sum(float v) {
     return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// N warp_sums at once, their butterflies in lockstep (each the same adds in the same order as warp_sum's, so the
-// same bits): N independent shuffles a round instead of one chain after another.
-template <int N>
-__device__ __forceinline__ void warp_sum_each(float (&v)[N]) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
-}
-
 // One step of warp_sums_spread: each lane keeps one half of its 2 HALF values (the upper one where its lane bit o
 // is set), adds the partner's same half, and hands on the rest; then the next step.
 template <int HALF, int N>
@@ -200,6 +190,39 @@ __device__ __forceinline__ float warp_sums_spread(float (&v)[N]) {
 #pragma unroll
     for (int o = 16 / N; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
     return s;
+}
+
+// N warp_sums at once, every lane getting each (the same adds in the same order as warp_sum's, so the same bits):
+// N a power of two, by warp_sums_spread and then one shuffle a sum from a lane that holds it (N = 4: 10 shuffles
+// against 20); else the N butterflies in lockstep.
+template <int N>
+__device__ __forceinline__ void warp_sum_each(float (&v)[N]) {
+    if constexpr (N > 1 && N <= 32 && (N & (N - 1)) == 0) {
+        const float own = warp_sums_spread(v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, own, i * (32 / N));
+    } else {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    }
+}
+
+// N warp_sums (warp_sum_each's bits), each into one lane: put(i, sum i) runs in the lane that has sum i (N a power
+// of two: lane 32 / N i, from warp_sums_spread alone; else lane 0, after warp_sum_each).
+template <int N, class Put>
+__device__ __forceinline__ void warp_sums_put(float (&v)[N], Put put) {
+    const int lane = threadIdx.x % 32;
+    if constexpr (N > 1 && N <= 32 && (N & (N - 1)) == 0) {
+        const float own = warp_sums_spread(v);
+        if (lane % (32 / N) == 0) put(lane / (32 / N), own);
+    } else {
+        warp_sum_each(v);
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < N; ++i) put(i, v[i]);
+    }
 }
 
 // Sum over a block of THREADS threads; every thread gets the result. `scratch` holds THREADS/32 floats.

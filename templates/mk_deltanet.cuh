@@ -212,7 +212,7 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
 
 // The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
 // S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well. The
-// warp's columns go through each phase together, so that their warp sums' shuffles overlap (warp_sum_each).
+// warp's columns go through each phase together, their warp sums at once (warp_sum_each, warp_sums_put).
 template <class M, int THREADS, bool STORE>
 __device__ __forceinline__ void deltanet_update(
         float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* work,
@@ -249,10 +249,9 @@ __device__ __forceinline__ void deltanet_update(
             }
         }
     }
-    warp_sum_each(o);
-#pragma unroll
-    for (int w = 0; w < WC; ++w)
-        if (lane == 0 && warp + w * P::WARPS < P::SLICE) out[warp + w * P::WARPS] = o[w];
+    warp_sums_put(o, [&](int w, float sum) {
+        if (warp + w * P::WARPS < P::SLICE) out[warp + w * P::WARPS] = sum;
+    });
 }
 
 // One decode work item, by one block: the token at `pos` reads its window from the conv ring and writes its raw
