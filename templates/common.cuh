@@ -192,29 +192,35 @@ __device__ __forceinline__ float warp_sums_spread(float (&v)[N]) {
     return s;
 }
 
-// N warp_sums at once, every lane getting each (the same adds in the same order as warp_sum's, so the same bits):
-// N a power of two, by warp_sums_spread and then one shuffle a sum from a lane that holds it (N = 4: 10 shuffles
-// against 20); else the N butterflies in lockstep.
+// N warp_sums at once, their butterflies in lockstep (each the same adds in the same order as warp_sum's, so the
+// same bits): N independent shuffles a round instead of one chain after another.
 template <int N>
 __device__ __forceinline__ void warp_sum_each(float (&v)[N]) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+}
+
+// warp_sum_each's sums (the same bits) in fewer shuffles where N is a power of two above 1: warp_sums_spread, then
+// one shuffle a sum from a lane that holds it (N = 4: 10 shuffles against 20; a register or two more).
+template <int N>
+__device__ __forceinline__ void warp_sum_each_spread(float (&v)[N]) {
     if constexpr (N > 1 && N <= 32 && (N & (N - 1)) == 0) {
         const float own = warp_sums_spread(v);
 #pragma unroll
         for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, own, i * (32 / N));
     } else {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+        warp_sum_each(v);
     }
 }
 
-// N warp_sums (warp_sum_each's bits), each into one lane: put(i, sum i) runs in the lane that has sum i (N a power
-// of two: lane 32 / N i, from warp_sums_spread alone; else lane 0, after warp_sum_each).
-template <int N, class Put>
+// N warp_sums (warp_sum_each's bits), each into one lane: put(i, sum i) runs in the lane that has sum i (SPREAD and N
+// a power of two: lane 32 / N i, from warp_sums_spread alone; else lane 0, after warp_sum_each).
+template <bool SPREAD, int N, class Put>
 __device__ __forceinline__ void warp_sums_put(float (&v)[N], Put put) {
     const int lane = threadIdx.x % 32;
-    if constexpr (N > 1 && N <= 32 && (N & (N - 1)) == 0) {
+    if constexpr (SPREAD && N > 1 && N <= 32 && (N & (N - 1)) == 0) {
         const float own = warp_sums_spread(v);
         if (lane % (32 / N) == 0) put(lane / (32 / N), own);
     } else {

@@ -212,8 +212,10 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
 
 // The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
 // S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well. The
-// warp's columns go through each phase together, their warp sums at once (warp_sum_each, warp_sums_put).
-template <class M, int THREADS, bool STORE>
+// warp's columns go through each phase together, their warp sums at once; with SPREAD by reduce-scatter (the same
+// bits in fewer shuffles and a register or two more: the tree's, not the megakernel's, which would spill under its
+// cap on the 27B).
+template <class M, int THREADS, bool STORE, bool SPREAD>
 __device__ __forceinline__ void deltanet_update(
         float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* work,
         DeltaNetGates gt, float* state, float* out) {
@@ -233,7 +235,10 @@ __device__ __forceinline__ void deltanet_update(
             if (i < DK) kv[w] += S[w][r] * (qk[DK + i] * gt.k_scale);
         }
     }
-    warp_sum_each(kv);
+    if constexpr (SPREAD)
+        warp_sum_each_spread(kv);
+    else
+        warp_sum_each(kv);
 #pragma unroll
     for (int w = 0; w < WC; ++w) {
         const int j = warp + w * P::WARPS;
@@ -249,7 +254,7 @@ __device__ __forceinline__ void deltanet_update(
             }
         }
     }
-    warp_sums_put(o, [&](int w, float sum) {
+    warp_sums_put<SPREAD>(o, [&](int w, float sum) {
         if (warp + w * P::WARPS < P::SLICE) out[warp + w * P::WARPS] = sum;
     });
 }
@@ -281,7 +286,7 @@ __device__ void deltanet_item(const DeltaNetLayer& L, int vh, int slice, int pos
         wait();
         if constexpr (!STATE_FIRST) deltanet_load_state<M, THREADS>(S, state, pos > 0);
     });
-    deltanet_update<M, THREADS, true>(S, work, gt, state, L.out + vh * DV + j0);
+    deltanet_update<M, THREADS, true, false>(S, work, gt, state, L.out + vh * DV + j0);
 }
 
 // Head h's gated RMSNorm (weight w [dv], gate silu(z)) by the calling warp, in two parts, so that a warp can have

@@ -307,7 +307,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
 #pragma unroll
                 for (int r = 0; r < P::LANE_ROWS; ++r)
                     S[w][r] = stack[restore * Smem::LEVEL + (w * P::LANE_ROWS + r) * THREADS + threadIdx.x];
-        deltanet_update<M, THREADS, false>(S, fronts + s * F, gates[s], nullptr,
+        deltanet_update<M, THREADS, false, true>(S, fronts + s * F, gates[s], nullptr,
                                            T.out + (size_t)node * HV * DV + vh * DV + j0);
         if (save >= 0)
 #pragma unroll
