@@ -274,7 +274,7 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
     // the path's (below).
     const bool own_ring = commit && steps == 1;
     tree_deltanet_stage<M, THREADS>(T, vh, slice, start, steps, offsets, raw,
-                                    own_ring ? (start + depth[step_node(schedule[0])]) % K : -1, w, fronts, gates);
+                                    own_ring ? slots[0] : -1, w, fronts, gates);
     if (steps > 1) {
         for (int s = threadIdx.x; s < steps; s += THREADS) {  // a tap at distance d: an ancestor's step, or a ring row
             const int node = step_node(schedule[s]), d0 = depth[node];
