@@ -151,6 +151,9 @@ class DDTreeTuning:
     max_budget: int | None = None  # the largest tree the GPU engines allocate and compile their tree kernels for
                                    # (default: budget); above budget, a smaller tuned budget leaves larger trees
                                    # verifiable (bench speculative's sweep, lucegen tune, --budget)
+    deltanet_slice: int = 16  # value columns a tree DeltaNet item (one block) holds, 4 a warp (lucegen/kernels/
+                              # tree.py): fewer, larger items make each key head's q and k fronts fewer times; the
+                              # layered decode step's DeltaNet is the same kernel (a 1-node tree)
 
     @property
     def capacity(self) -> int:
@@ -437,6 +440,9 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
               f"({t.ddtree.budget}) and 1024")
     if t.ddtree.block_size < 2:
         _fail(source, "tuning.ddtree.block_size", "must be at least 2")
+    if t.ddtree.deltanet_slice not in (8, 16, 32, 64):
+        _fail(source, "tuning.ddtree.deltanet_slice", f"{t.ddtree.deltanet_slice} is not 8, 16, 32 or 64 (4 value "
+              f"columns a warp, 2 to 16 warps a block)")
     if t.max_context < 1024:
         _fail(source, "tuning.max_context", f"{t.max_context} is below the 1024-token minimum")
     if t.prefill.chunk_tokens % 64 or not 64 <= t.prefill.chunk_tokens <= t.max_context:

@@ -70,6 +70,10 @@ def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, 
                                       err_msg=f"node {n} of {list(parents)}")
     after(engine, context)
     np.testing.assert_array_equal(verifier.forward_argmax(tokens, parents), logits.argmax(axis=-1))  # greedy's pass
+    rows = verifier.forward_rows(tokens, parents)  # a sampled round's pass
+    assert len(rows) == len(parents)
+    for n in np.random.default_rng(seed).permutation(len(parents)):
+        np.testing.assert_array_equal(rows[n], logits[n], err_msg=f"node {n}")
     verifier.free()
 
 

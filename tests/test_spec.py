@@ -109,6 +109,7 @@ def _delete(path: str):
     (_set("tuning.weight_formats", ["bf16", "iq1_s"]), "tuning.weight_formats[1]", "is not one of"),
     (_set("tuning.ddtree.budget", 0), "tuning.ddtree.budget", "between 1 and 1024"),
     (_set("tuning.ddtree.chain_seed", "yes"), "tuning.ddtree.chain_seed", "expected true or false"),
+    (_set("tuning.ddtree.deltanet_slice", 24), "tuning.ddtree.deltanet_slice", "not 8, 16, 32 or 64"),
     (_set("chip.smem_per_block", 10**7), "chip.smem_per_block", "exceeds smem_per_sm"),
     (_set("chip.measured_read_gbs", 9000.0), "chip.measured_read_gbs", "datasheet"),
     (_delete("chip.sm_count"), "chip.sm_count", "missing required key"),

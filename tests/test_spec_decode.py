@@ -114,11 +114,11 @@ def test_greedy_is_plain_greedy(draft, chain):
 
 
 class ArgmaxVerifier(ReferenceVerifier):
-    """The reference verifier with forward_argmax (as the GPU's TreeVerifier has): records which pass each round
-    took."""
+    """The reference verifier with forward_argmax and forward_rows (as the GPU's TreeVerifier has): records which
+    pass each round took, and which nodes' logits forward_rows handed out."""
     def __init__(self, *args):
         super().__init__(*args)
-        self.passes = []
+        self.passes, self.rows_read = [], []
 
     def forward(self, tokens, parents):
         self.passes.append("logits")
@@ -128,19 +128,41 @@ class ArgmaxVerifier(ReferenceVerifier):
         self.passes.append("argmax")
         return super().forward(tokens, parents).argmax(axis=-1)
 
+    def forward_rows(self, tokens, parents):
+        self.passes.append("rows")
+        logits, read = super().forward(tokens, parents), []
+        self.rows_read.append((parents, read))
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_greedy_rounds_take_the_argmax_pass(temperature):
-    """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and still give plain greedy
-    decoding's tokens; sampled rounds need the logits."""
-    verifier = ArgmaxVerifier(WEIGHTS, CFG, State())
+        class Rows:
+            def __getitem__(self, node):
+                read.append(node)
+                return logits[node]
+        return Rows()
+
+
+def rounds(verifier, temperature, tokens=24):
     sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
     out = [sampler(prefill(WEIGHTS, CFG, PROMPT, verifier.state)[-1])]
-    while len(out) < 24:
+    while len(out) < tokens:
         out += speculative_round(verifier, [*PROMPT, *out], 7, DRAFTS["noisy oracle"](), 8, sampler)
-    assert set(verifier.passes) == {"argmax" if temperature == 0 else "logits"}
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rounds_take_the_argmax_or_the_rows_pass(temperature):
+    """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and still give plain greedy
+    decoding's tokens; sampled rounds read the logits of their walk's nodes alone (each node once, a root-first
+    chain of the tree) and draw what they would from all N rows."""
+    verifier = ArgmaxVerifier(WEIGHTS, CFG, State())
+    out = rounds(verifier, temperature)
+    assert set(verifier.passes) == {"argmax" if temperature == 0 else "rows"}
     if temperature == 0:
         assert out[:24] == REF[:24]
+        return
+    assert out == rounds(ReferenceVerifier(WEIGHTS, CFG, State()), temperature)
+    for parents, read in verifier.rows_read:
+        assert read[0] == 0 and len(set(read)) == len(read)
+        assert all(parents[b] == a for a, b in zip(read, read[1:])), (parents, read)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9, 17])

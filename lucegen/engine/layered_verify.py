@@ -70,6 +70,22 @@ class TreeMixer:
             a.free()
 
 
+class NodeLogits:
+    """The logits [n, vocab] of a tree's nodes, left on the device: rows[node] copies that node's row to the host.
+    Valid until the verifier's next pass."""
+
+    def __init__(self, logits, n: int, vocab: int):
+        self.logits, self.n, self.vocab = logits, n, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        if not 0 <= node < self.n:
+            raise IndexError(f"node {node} of a tree of {self.n}")
+        return self.logits.view(self.vocab, np.float32, 4 * node * self.vocab).numpy()
+
+
 class TreeVerifier:
     """The Verifier of a LayeredStep's sequence: forward(tokens, parents) -> logits [N, vocab] after the committed
     state (parents topologically ordered, parents[0] = -1), or forward_argmax -> their argmax [N], then
@@ -81,6 +97,11 @@ class TreeVerifier:
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         n = self._run(tokens, parents)
         return self.step.logits.view((n, self.step.cfg.vocab_size)).numpy()
+
+    def forward_rows(self, tokens: Sequence[int], parents: Sequence[int]) -> "NodeLogits":
+        """forward's pass, with each node's logits copied to the host only when asked for (rows[node]): a sampled
+        round's walk reads the nodes of its path, not N x vocab (65 nodes of the 27B: 65 MB)."""
+        return NodeLogits(self.step.logits, self._run(tokens, parents), self.step.cfg.vocab_size)
 
     def forward_argmax(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
         """forward's pass, returning each node's argmax [N] (the step's device argmax, numpy's rule) instead of

@@ -32,8 +32,6 @@ from .attention import split_qkv
 from .conv1d import ring_to_state
 from .megakernel import rope_inv_freq
 
-DN_THREADS = 128   # a DeltaNet item: 4 warps over a slice of value columns
-DN_SLICE = 16      # value columns per item, at most (Qwen3.5-0.8B: 16 heads x 8 slices = 128 items)
 KV_THREADS = 128
 ATT_WARPS = 8  # tree_attention's block, at least (and G + 2 warps: attention_queries)
 ATT_ROWS = 8   # K/V rows each warp of tree_attention has in flight at most: a round of attention_item_gqa holds its
@@ -229,8 +227,15 @@ def kv_commit_reference(cache: np.ndarray, path: Sequence[int], start: int) -> n
 
 
 # ---- unit -------------------------------------------------------------------------------------------------------
-def dn_slice(cfg: ModelConfig) -> int:
-    return max(d for d in range(1, min(DN_SLICE, cfg.linear_value_head_dim) + 1) if cfg.linear_value_head_dim % d == 0)
+def dn_threads(spec: ChipSpec) -> int:
+    """Threads of a tree DeltaNet item: a warp for every 4 of the spec's value columns an item."""
+    return 8 * spec.tuning.ddtree.deltanet_slice
+
+
+def dn_slice(cfg: ModelConfig, spec: ChipSpec) -> int:
+    """Value columns a tree DeltaNet item holds: the spec's, or the largest divisor of dv below it."""
+    dv = cfg.linear_value_head_dim
+    return max(d for d in range(1, min(spec.tuning.ddtree.deltanet_slice, dv) + 1) if dv % d == 0)
 
 
 def xblocks_in_merge(cfg: ModelConfig) -> bool:
@@ -245,13 +250,13 @@ def norm_heads(cfg: ModelConfig) -> int:
     return 1 if dv % 32 == 0 else 32 // dv
 
 
-def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
+def dn_smem(cfg: ModelConfig, spec: ChipSpec, levels: int, steps: int) -> int:
     """Dynamic shared memory of tree_deltanet for a schedule of `steps` steps using `levels` stack levels
     (templates/tree.cuh: TreeDeltaNetSmem): the levels, or the fronts' raw rows where they are more, then per step
     its gates, sums and front."""
-    warps, lane_rows = DN_THREADS // 32, -(-cfg.linear_key_head_dim // 32)
-    level = -(-dn_slice(cfg) // warps) * lane_rows * DN_THREADS
-    front = 2 * cfg.linear_key_head_dim + dn_slice(cfg)
+    threads, lane_rows = dn_threads(spec), -(-cfg.linear_key_head_dim // 32)
+    level = -(-dn_slice(cfg, spec) // (threads // 32)) * lane_rows * threads
+    front = 2 * cfg.linear_key_head_dim + dn_slice(cfg, spec)
     raw = (cfg.linear_conv_kernel_dim - 1 + steps) * (front + 2)
     return 4 * (-(-max(levels * level, raw) // 4) * 4 + steps * (4 + 2 + front))
 
@@ -269,9 +274,10 @@ def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
         return (f"{cfg.name}: DeltaNet value heads of {dv} are neither whole XBlocks of 32 values nor a share of "
                 f"{hv} heads' whole XBlocks")
     max_nodes = spec.tuning.ddtree.capacity + 1
-    smem = dn_smem(cfg, stack_levels(max_nodes), max_nodes)
+    smem = dn_smem(cfg, spec, stack_levels(max_nodes), max_nodes)
     if smem > spec.chip.smem_per_block:
-        return f"{spec.name}: the tree DeltaNet stack needs {smem} bytes of shared memory; a block has {spec.chip.smem_per_block}"
+        return (f"{spec.name}: the tree DeltaNet stack needs {smem} bytes of shared memory; a block has "
+                f"{spec.chip.smem_per_block} (a smaller tuning.ddtree.max_budget or deltanet_slice needs less)")
     return None
 
 
@@ -292,12 +298,14 @@ def units(spec: ChipSpec, model: ModelConfig, orders: Sequence[bool] = (False, T
         eps=hexf(cfg.rms_norm_eps), inv_freq=[hexf(v) for v in rope_inv_freq(cfg)],
         lin=dict(hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                  dv=cfg.linear_value_head_dim, conv_k=cfg.linear_conv_kernel_dim, key_dim=cfg.key_dim,
-                 value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg)),
+                 value_dim=cfg.value_dim, conv_dim=cfg.conv_dim, slice=dn_slice(cfg, spec)),
         att=dict(nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=cfg.head_dim, rot=cfg.rotary_dim,
                  min_chunk=att_min_chunk(cfg)),
-        dn_threads=DN_THREADS, kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks, att_rows=att_rows(cfg),
+        dn_threads=dn_threads(spec), kv_threads=KV_THREADS, att_threads=threads, att_blocks=mk.blocks,
+        att_rows=att_rows(cfg),
         max_nodes=max_nodes, kv_format=kv_rows(spec, cfg), kv_cls=KV_ROWS[kv_rows(spec, cfg)])
-    sigs = (KernelSig("tree_deltanet", DN_THREADS, dynamic_smem=dn_smem(cfg, stack_levels(max_nodes), max_nodes)),
+    sigs = (KernelSig("tree_deltanet", dn_threads(spec),
+                      dynamic_smem=dn_smem(cfg, spec, stack_levels(max_nodes), max_nodes)),
             KernelSig("tree_attention_kv", KV_THREADS), KernelSig("tree_attention", threads),
             KernelSig("tree_kv_commit", KV_THREADS))
     return [KernelUnit(unit_name(tiled), "tree.cu.j2", {**params, "tiled": tiled}, sigs) for tiled in orders]
@@ -337,7 +345,7 @@ class TreeKernels:
         self.att_blocks, self.att_threads = mk.blocks, att_threads(cfg)
         self._dn, self._kv = module.kernel("tree_deltanet"), module.kernel("tree_attention_kv")
         self._att, self._commit = module.kernel("tree_attention"), module.kernel("tree_kv_commit")
-        smem = dn_smem(cfg, stack_levels(self.max_nodes), self.max_nodes)
+        smem = dn_smem(cfg, spec, stack_levels(self.max_nodes), self.max_nodes)
         if smem > 48 * 1024:
             self._dn.set_max_dynamic_smem(smem)
         chunks, group = max(1, mk.blocks // cfg.num_key_value_heads), cfg.num_attention_heads // cfg.num_key_value_heads
@@ -379,13 +387,13 @@ class TreeKernels:
     def _deltanet(self, tree, mixed, conv_w, a_log, dt_bias, ring, state, out, start, io, steps, levels, codes,
                   commit, stream, norm=None, layer=0):
         cfg = self.cfg
-        grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg))
+        grid = (cfg.linear_num_value_heads, cfg.linear_value_head_dim // dn_slice(cfg, self.spec))
         ticket = self.tickets.view(1, np.uint32, 4 * (self.max_nodes * cfg.num_key_value_heads + layer))
         w, normed, normed_q = norm or (NULL, NULL, NULL)
-        self._dn(grid, DN_THREADS, mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state, tree.d_parents,
-                 tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, commit, w, normed,
-                 NULL if normed_q is None else normed_q, self.norm_tickets, smem=dn_smem(cfg, levels, steps),
-                 stream=stream)
+        self._dn(grid, dn_threads(self.spec), mixed, mixed.shape[1], conv_w, a_log, dt_bias, ring, state,
+                 tree.d_parents, tree.d_depth, codes, tree.n, steps, levels, _io(io), start, out, ticket, commit, w,
+                 normed, NULL if normed_q is None else normed_q, self.norm_tickets,
+                 smem=dn_smem(cfg, self.spec, levels, steps), stream=stream)
 
     def deltanet(self, tree: DeviceTree, mixed, conv_w, a_log, dt_bias, ring, state, out, start: int, io=None,
                  stream=None, norm=None) -> None:

@@ -45,7 +45,9 @@ class Verifier(Protocol):
     """One target pass over a tree after a committed state, then the commit of an accepted path (root first).
     ReferenceVerifier (numpy) and lucegen.spec_decode.device.NodeVerifier (a GPU engine) implement it. A verifier
     may also have forward_argmax(tokens, parents) -> the argmax of each node's logits [N] (numpy's rule: the lowest
-    index on ties), which greedy rounds use instead of copying N x vocab logits to the host."""
+    index on ties), which greedy rounds use instead of copying N x vocab logits to the host, and forward_rows(tokens,
+    parents) -> rows with rows[node] that node's logits [vocab], copied when asked for, which sampled rounds use (the
+    walk reads its path's nodes only)."""
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
 
@@ -76,7 +78,8 @@ def speculative_round(verifier: Verifier, context_ids: Sequence[int], n: int, dr
         ids = verifier.forward_argmax(tree.tokens, tree.parents)
         accepted, bonus = walk(tree, lambda node: int(ids[node]))
     else:
-        accepted, bonus = walk(tree, chosen(verifier.forward(tree.tokens, tree.parents), sampler))
+        forward = getattr(verifier, "forward_rows", verifier.forward)
+        accepted, bonus = walk(tree, chosen(forward(tree.tokens, tree.parents), sampler))
     verifier.commit(accepted)
     return [tree.tokens[a] for a in accepted[1:]] + [bonus]
 

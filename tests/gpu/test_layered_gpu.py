@@ -298,6 +298,10 @@ def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(ggu
     for n in range(len(parents)):
         expected = after(engine, context, tokens[ancestry(parents, n)])
         np.testing.assert_array_equal(logits[n], expected, err_msg=f"node {n} (parents {parents})")
+    after(engine, context)  # the committed context again
+    rows = verifier.forward_rows(tokens, parents)  # a sampled round's pass: the rows copied one by one
+    for n in rng.permutation(len(parents)):
+        np.testing.assert_array_equal(rows[n], logits[n], err_msg=f"node {n} (parents {parents})")
 
 
 @pytest.mark.parametrize("path", [[0], [0, 1, 3, 5, 11], [0, 2, 6, 7, 8], [0, 9]])
