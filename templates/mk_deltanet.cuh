@@ -87,9 +87,9 @@ struct DeltaNetSplit {
     static_assert(WARPS >= 2 && M::LIN_DV % SLICE == 0 && M::LIN_HV % M::LIN_HK == 0, "DeltaNet split");
 };
 
-// The gates and l2norm scales of one token of one item.
-struct DeltaNetGates {
-    float q_scale, k_scale, beta, decay;
+// The gates and l2norm scales of one token of one item, and k.q of the normalised k and q (two 16-byte words).
+struct alignas(16) DeltaNetGates {
+    float q_scale, k_scale, beta, decay, kq;
 };
 
 // This thread's part of a state slice (SLICE columns of dk, column-major) into registers; zeros when `has` is false.
@@ -132,30 +132,35 @@ __device__ __forceinline__ float deltanet_conv(const float* conv_w, int ch, floa
     return deltanet_conv<M>(w, x, past);
 }
 
-// The sum of squares of x [dk], by one warp (every lane gets it).
+// One of a token's three sums over dk, by one warp (every lane gets it), of its q and k after conv + SiLU (qk: q
+// then k): which 0 q.q, 1 k.k, 2 k.q.
 template <class M>
-__device__ __forceinline__ float deltanet_sum_squares(const float* x) {
+__device__ __forceinline__ float deltanet_qk_sum(const float* qk, int which) {
+    constexpr int DK = M::LIN_DK;
     const int lane = threadIdx.x % 32;
-    float ss = 0.f;
-    for (int i = lane; i < M::LIN_DK; i += 32) ss += x[i] * x[i];
-    return warp_sum(ss);
+    const float* x = qk + (which == 1 ? DK : 0);
+    const float* y = qk + (which == 0 ? 0 : DK);
+    float s = 0.f;
+    for (int i = lane; i < DK; i += 32) s += x[i] * y[i];
+    return warp_sum(s);
 }
 
 // The l2norm scales (from the sums of squares of q and k) and the gates of value head vh for one token, from the
 // token's raw beta and decay inputs (its in-projection's b and a rows) and the head's A_log and dt_bias.
 template <class M>
-__device__ __forceinline__ DeltaNetGates deltanet_gates_of(float b, float a, float a_log, float dt_bias, float q_sum,
-                                                           float k_sum) {
+__device__ __forceinline__ DeltaNetGates deltanet_gates_of(float b, float a, float a_log, float dt_bias,
+                                                           const float (&sums)[3]) {
     DeltaNetGates gt;
-    gt.q_scale = rsqrtf(q_sum + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
-    gt.k_scale = rsqrtf(k_sum + 1e-6f);
+    gt.q_scale = rsqrtf(sums[0] + 1e-6f) * rsqrtf(static_cast<float>(M::LIN_DK));
+    gt.k_scale = rsqrtf(sums[1] + 1e-6f);
+    gt.kq = sums[2] * gt.k_scale * gt.q_scale;
     gt.beta = sigmoid(b);
     gt.decay = __expf(-__expf(a_log) * softplus(a + dt_bias));
     return gt;
 }
 
 // One token's front for an item: conv + SiLU of the channels it reads (q and k of key head kh, the SLICE value
-// channels from j0) into `work` (2 dk + SLICE + 2 floats), their l2norm scales and the gates. window(ch, t) points at
+// channels from j0) into `work` (2 dk + SLICE + 3 floats), their l2norm scales and the gates. window(ch, t) points at
 // the raw input of channel ch at the t-th oldest position of the window (t < K-1), or is null before the sequence;
 // seen(c, ch, x) is told every raw input of this token. What does not depend on this token's in-projection (the
 // windows, the conv weights, the gates' parameters) is loaded first; then wait() (block-wide) waits for the
@@ -170,7 +175,7 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
     const int warp = threadIdx.x / 32, kh = deltanet_key_head<M>(vh);
     float* qk = work;             // [2 dk]: q then k after conv + SiLU
     float* v = work + 2 * DK;     // [SLICE]
-    float* sums = v + SLICE;      // [2]: sum of squares of q and of k
+    float* sums = v + SLICE;      // [3]: q.q, k.k and k.q (deltanet_qk_sum)
     if (warp < 3) {  // the conv weights of the q, k and value channel runs, asked of L2
         const int first = deltanet_channel<M>(warp * DK, kh, vh, j0), count = warp < 2 ? DK : SLICE;
         prefetch_l2(conv_w + (size_t)first * K, sizeof(float) * count * K);
@@ -202,17 +207,18 @@ __device__ __forceinline__ DeltaNetGates deltanet_front(const float* mixed, cons
         seen(c, ch, x);
     }
     __syncthreads();
-    if (warp < 2) {  // l2norm of q (warp 0) and k (warp 1)
-        const float ss = deltanet_sum_squares<M>(qk + warp * DK);
-        if (threadIdx.x % 32 == 0) sums[warp] = ss;
+    for (int which = warp; which < 3; which += THREADS / 32) {
+        const float sum = deltanet_qk_sum<M>(qk, which);
+        if (threadIdx.x % 32 == 0) sums[which] = sum;
     }
     __syncthreads();
-    return deltanet_gates_of<M>(b, a, head_a_log, head_dt_bias, sums[0], sums[1]);
+    return deltanet_gates_of<M>(b, a, head_a_log, head_dt_bias, {sums[0], sums[1], sums[2]});
 }
 
-// The recurrence for one token over the slice in registers, per column j: S = decay S; delta = beta (v_j - S^T k);
-// S += k delta; o_j = S^T q (the updated state) into out[j]. With STORE the new columns go to `state` as well. The
-// warp's columns go through each phase together, so that their warp sums' shuffles overlap (warp_sum_each).
+// The recurrence for one token over the slice in registers, per column j: S' = decay S + k delta with delta = beta
+// (v_j - decay S^T k), and o_j = S'^T q = decay S^T q + delta (k.q) into out[j]: both of the column's dots are of the
+// state before the token, so they take one warp sum together (the chain from one token's state to the next has one
+// round of shuffles, not two). With STORE the new columns go to `state` as well.
 template <class M, int THREADS, bool STORE>
 __device__ __forceinline__ void deltanet_update(
         float (&S)[DeltaNetSplit<M, THREADS>::WARP_COLS][DeltaNetSplit<M, THREADS>::LANE_ROWS], const float* work,
@@ -222,41 +228,38 @@ __device__ __forceinline__ void deltanet_update(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* qk = work;
     const float* v = work + 2 * DK;
-    float kv[WC], o[WC];
+    float dots[2 * WC];  // per column S^T k, then S^T q
 #pragma unroll
     for (int w = 0; w < WC; ++w) {
-        kv[w] = 0.f;
-#pragma unroll
-        for (int r = 0; r < P::LANE_ROWS; ++r) {
-            const int i = lane + 32 * r;
-            S[w][r] *= gt.decay;
-            if (i < DK) kv[w] += S[w][r] * (qk[DK + i] * gt.k_scale);
-        }
-    }
-    warp_sum_each(kv);
-#pragma unroll
-    for (int w = 0; w < WC; ++w) {
-        const int j = warp + w * P::WARPS;
-        const float delta = j < P::SLICE ? (v[j] - kv[w]) * gt.beta : 0.f;  // columns past the slice: zeros
-        o[w] = 0.f;
+        dots[w] = dots[WC + w] = 0.f;
 #pragma unroll
         for (int r = 0; r < P::LANE_ROWS; ++r) {
             const int i = lane + 32 * r;
             if (i < DK) {
-                S[w][r] += (qk[DK + i] * gt.k_scale) * delta;
-                o[w] += S[w][r] * (qk[i] * gt.q_scale);
-                if (STORE && j < P::SLICE) state[(size_t)j * DK + i] = S[w][r];
+                dots[w] += S[w][r] * (qk[DK + i] * gt.k_scale);
+                dots[WC + w] += S[w][r] * (qk[i] * gt.q_scale);
             }
         }
     }
-    warp_sum_each(o);
+    warp_sum_each(dots);
 #pragma unroll
-    for (int w = 0; w < WC; ++w)
-        if (lane == 0 && warp + w * P::WARPS < P::SLICE) out[warp + w * P::WARPS] = o[w];
+    for (int w = 0; w < WC; ++w) {
+        const int j = warp + w * P::WARPS;
+        const float delta = j < P::SLICE ? (v[j] - gt.decay * dots[w]) * gt.beta : 0.f;  // columns past the slice: 0
+#pragma unroll
+        for (int r = 0; r < P::LANE_ROWS; ++r) {
+            const int i = lane + 32 * r;
+            if (i < DK) {
+                S[w][r] = gt.decay * S[w][r] + (qk[DK + i] * gt.k_scale) * delta;
+                if (STORE && j < P::SLICE) state[(size_t)j * DK + i] = S[w][r];
+            }
+        }
+        if (lane == 0 && j < P::SLICE) out[j] = gt.decay * dots[WC + w] + delta * gt.kq;
+    }
 }
 
 // One decode work item, by one block: the token at `pos` reads its window from the conv ring and writes its raw
-// inputs there; the state slice is read and written in place. `work` holds 2 dk + SLICE + 2 floats of shared memory.
+// inputs there; the state slice is read and written in place. `work` holds 2 dk + SLICE + 3 floats of shared memory.
 // wait() (block-wide) returns once the item's in-projection rows are written: the conv window is loaded before it,
 // and so is the state slice where a thread's part of it is a few registers (H200, 0.8B: 746 us a token against 767
 // when the state and the window were asked of L2 before the wait and loaded after it); a larger part is loaded right after the wait, with the

@@ -68,7 +68,7 @@ constexpr int deltanet_norm_heads() {
 
 // Dynamic shared memory of a tree DeltaNet item, in floats: `levels` stack levels, or while the fronts are made
 // (before the stack's first use) the raw inputs they read, K - 1 + steps rows of COLS (tree_deltanet_stage),
-// whichever is larger; then per step its gates, its sums of squares of q and k, and its front (q, k and the slice's v
+// whichever is larger; then per step its gates, its sums q.q, k.k and k.q, and its front (q, k and the slice's v
 // after conv + SiLU).
 template <class M, int THREADS>
 struct TreeDeltaNetSmem {
@@ -77,8 +77,8 @@ struct TreeDeltaNetSmem {
     static constexpr int FRONT = 2 * M::LIN_DK + M::LIN_SLICE;
     static constexpr int COLS = FRONT + 2;                          // a raw row: the conv channels, then b and a
     static constexpr int THREAD_COLS = (COLS + THREADS - 1) / THREADS;  // raw columns a thread (tree_deltanet_fronts)
-    static constexpr int PER_STEP = 4 + 2 + FRONT;
-    static_assert(sizeof(DeltaNetGates) == 16 && LEVEL % 4 == 0, "gates are float4-aligned");
+    static constexpr int PER_STEP = 8 + 3 + FRONT;
+    static_assert(sizeof(DeltaNetGates) == 32 && LEVEL % 4 == 0, "gates are float4-aligned");
     __device__ static int before_steps(int levels, int steps) {  // the stack levels or the raw rows
         return max(levels * LEVEL, (M::LIN_CONV_K - 1 + steps) * COLS + 3) / 4 * 4;
     }
@@ -230,8 +230,8 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
     float* stack = smem;
     float* raw = smem;  // the fronts' inputs, before the stack's first use
     DeltaNetGates* gates = reinterpret_cast<DeltaNetGates*>(smem + Smem::before_steps(T.levels, steps));
-    float* sums = reinterpret_cast<float*>(gates + steps);  // [steps][2]
-    float* fronts = sums + 2 * steps;                        // [steps][F]
+    float* sums = reinterpret_cast<float*>(gates + steps);  // [steps][3] (deltanet_qk_sum)
+    float* fronts = sums + 3 * steps;                        // [steps][F]
     int* parents = ints;
     int* depth = parents + MAX_NODES;
     int* schedule = depth + MAX_NODES;
@@ -289,14 +289,14 @@ __device__ void tree_deltanet_item(const TreeDeltaNet& T, int mode, int vh, int 
         tree_deltanet_fronts<M, THREADS>(raw, taps, steps, w, fronts, gates);
     }
     __syncthreads();
-    for (int task = warp; task < 2 * steps; task += P::WARPS) {  // q (even) and k (odd) of every step
-        const float ss = deltanet_sum_squares<M>(fronts + (task / 2) * F + (task % 2) * DK);
-        if (lane == 0) sums[task] = ss;
+    for (int task = warp; task < 3 * steps; task += P::WARPS) {  // q.q, k.k and k.q of every step
+        const float sum = deltanet_qk_sum<M>(fronts + (task / 3) * F, task % 3);
+        if (lane == 0) sums[task] = sum;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < steps; s += THREADS)  // from b and a, stored raw in beta and decay by the fronts
-        gates[s] = deltanet_gates_of<M>(gates[s].beta, gates[s].decay, head_gate[0], head_gate[1], sums[2 * s],
-                                        sums[2 * s + 1]);
+        gates[s] = deltanet_gates_of<M>(gates[s].beta, gates[s].decay, head_gate[0], head_gate[1],
+                                        {sums[3 * s], sums[3 * s + 1], sums[3 * s + 2]});
     __syncthreads();
 
     for (int s = 0; s < steps; ++s) {

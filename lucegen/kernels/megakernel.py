@@ -207,7 +207,7 @@ class Layout:
                                    if self.k_split(k) > 1], default=0)
         att_floats = (self.group * hd + 2 * hd + cfg.rotary_dim + 2 * self.warps + self.warps * hd
                       + self.max_chunks * self.group + self.group)
-        self.work_bytes = _align(4 * max(max(ks), 2 * dk + self.dn_slice + 2, att_floats), 128)
+        self.work_bytes = _align(4 * max(max(ks), 2 * dk + self.dn_slice + 3, att_floats), 128)
         self.scratch_bytes = _align(8 * self.warps + 16, 128)
         self.partial_bytes = _align(4 * self.partial_floats, 128)
         self.own_bytes = _align(4 * -(-H // self.blocks), 128)  # the block's rows of the residual stream

@@ -253,7 +253,7 @@ def dn_smem(cfg: ModelConfig, levels: int, steps: int) -> int:
     level = -(-dn_slice(cfg) // warps) * lane_rows * DN_THREADS
     front = 2 * cfg.linear_key_head_dim + dn_slice(cfg)
     raw = (cfg.linear_conv_kernel_dim - 1 + steps) * (front + 2)
-    return 4 * (-(-max(levels * level, raw) // 4) * 4 + steps * (4 + 2 + front))
+    return 4 * (-(-max(levels * level, raw) // 4) * 4 + steps * (8 + 3 + front))
 
 
 def shape_problem(cfg: ModelConfig, spec: ChipSpec) -> str | None:
