@@ -123,11 +123,16 @@ def test_drawn_frequencies(case):
 
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 4000), top_k=st.integers(0, 60),
-       top_p=st.floats(0.05, 1), scale=st.floats(0.5, 6))
-def test_a_filtered_draw_is_the_draw_over_the_whole_vocabulary(seed, vocab, top_k, top_p, scale):
+       top_p=st.floats(0.05, 1), scale=st.floats(0.5, 6), ties=st.booleans(), f32=st.booleans())
+def test_a_filtered_draw_is_the_draw_over_the_whole_vocabulary(seed, vocab, top_k, top_p, scale, ties, f32):
     """Sampler draws a filtered distribution over the tokens it kept: each token the one numpy's choice over the
-    whole vocabulary gives from the same generator state."""
+    whole vocabulary gives from the same generator state; with logits of few distinct values (ties at the k-th)
+    and float32 rows (the GPU engines'), whose top k it takes before the temperature divides them."""
     logits = np.random.default_rng(seed).standard_normal(vocab) * scale
+    if ties:
+        logits = np.round(logits)
+    if f32:
+        logits = logits.astype(np.float32)
     params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, seed=seed)
     sampler, whole = Sampler(params), np.random.default_rng(seed)
     probs = filtered_probs(logits, 0.9, top_k, top_p)
