@@ -41,14 +41,15 @@ def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0,
     by lower id first), renormalized. temperature 0 gives the greedy one-hot on the first maximum.
     """
     logits = np.asarray(logits, np.float64)
-    probs = np.zeros_like(logits)
     if temperature == 0:
+        probs = np.zeros_like(logits)
         probs[argmax(logits)] = 1
         return probs
     z = logits / temperature
     if 0 < top_k < z.size:
         z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
-    probs = np.exp(z - z.max())
+    z -= z.max()
+    probs = np.exp(z, out=z)  # in place: a row of the vocabulary is 2 MB of float64
     probs /= probs.sum()
     if top_p < 1:
         order, running = most_probable_first(probs, top_p)
