@@ -1,6 +1,7 @@
 // mk_decode.cuh: the decode megakernel of a Qwen3.5-family model: one persistent cooperative launch runs one or
-// many decode steps, each through every layer, the final norm, the LM head and the argmax, and feeds the argmax
-// back as the next step's token (multi-step: tg128 is one launch; EOS stops every block at once).
+// many decode steps, each through every layer, the final norm, the LM head and the argmax (or a draw at a
+// temperature: sample.cuh), and feeds that token back as the next step's (multi-step: tg128 is one launch, greedy or
+// sampled; EOS stops every block at once).
 //
 // Shapes come from M (the model, rendered from its config) and launch parameters from G (rendered from the chip
 // spec); nothing here knows a particular model size. See megakernel.cu.j2 for both.
@@ -19,8 +20,10 @@
 //           out-projection + residual
 //   3 GU    RMSNorm + interleaved gate/up rows -> SiLU(gate) * up                           row pairs
 //   4 DOWN  down-projection + residual                                                      rows
-//   LM      final RMSNorm + LM head + per-block argmax; after the barrier every block        rows
-//           merges the blocks' argmax (so the next token and EOS are known everywhere)
+//   LM      final RMSNorm + LM head + per-block argmax (sampled: the block's softmax part     rows
+//           of its rows); after the barrier every block merges the blocks' argmax (sampled:
+//           draws the token from the parts and the logits), so the next token and EOS are
+//           known everywhere
 //
 // What does not take a barrier either: every block recomputes the small things it needs (the residual's RMSNorm, the
 // q/k of its DeltaNet head, the RoPE angles, a DeltaNet head's norm in the out-projection) instead of waiting for
@@ -55,6 +58,7 @@
 #include "mk_deltanet.cuh"
 #include "norm.cuh"
 #include "ring.cuh"
+#include "sample.cuh"
 
 namespace lucegen {
 
@@ -69,12 +73,14 @@ struct DecodeParams {
     float* act;                     // activations between phases (offsets M::ACT_*)
     unsigned* sync;                 // [0] barrier arrivals, [1] blocks left, [2, 2 + ATT_NKV) attention tickets,
                                     // then gridDim.x ready counters; zero at launch, and left at zero
-    const int* prompt;              // step s < n_prompt reads prompt[s]; later steps read the previous argmax
+    const int* prompt;              // step s < n_prompt reads prompt[s]; later steps read the previous token
     int n_prompt;
     int position;                   // position of step 0
     int n_steps;
-    int eos;                        // stop after a generated step (s >= n_prompt - 1) whose argmax is eos; -1: never
-    int* tokens;                    // [n_steps] argmax of each step
+    int eos;                        // stop after a generated step (s >= n_prompt - 1) whose token is eos; -1: never
+    int* tokens;                    // [n_steps] the token of each step: its argmax, or its draw
+    const double* uniforms;         // the sampled kernel: step s draws its token from softmax(logits / temperature)
+    double inv_temperature;         // with uniforms[s] (sample.cuh), 1 / temperature; the greedy one reads neither
     float* logits;                  // logits of step s at logits + s * logits_stride, or null
     int logits_stride;
     int* n_done;                    // steps completed
@@ -230,7 +236,10 @@ struct WeightStream {
     }
 };
 
-template <class M, class G>
+// SAMPLED: the kernel that draws each step's token (DecodeParams.uniforms); the other takes the argmax. Two kernels,
+// so that each one's registers are allocated for its own path (the draw's fp64 reductions would spill the greedy
+// kernel's step loop).
+template <class M, class G, bool SAMPLED>
 struct Decoder {
     static constexpr int THREADS = G::THREADS, WARPS = THREADS / 32;
     static constexpr int PHASES = 5 * M::LAYERS + 1;
@@ -245,8 +254,9 @@ struct Decoder {
     ReadyFlags ready; // the in-projection's rows, per block that writes them
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
-    int* flag;        // [0] a ticket's verdict, [1] this step's input token (shared, not a register across phases),
-                      // [2] the last grid barrier the poller has seen pass (grid.cuh: GridBarrier::wait)
+    int* flag;        // [0] a ticket's verdict, [1] this step's input token and [3] its count of phases (shared,
+                      // not registers held across phases), [2] the last grid barrier the poller has seen pass
+                      // (grid.cuh: GridBarrier::wait)
     float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
     float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
                       // down-projections add to, kept here so those adds read no global memory; x in global
@@ -426,21 +436,44 @@ struct Decoder {
         gemv<M::INTER>(4 * l + 3, residual_add());
     }
 
-    // Final norm, LM head, this block's argmax (into the partials); logits too when asked for.
+    // Final norm, LM head, this block's argmax (into the partials); logits too when asked for. Sampled: the
+    // block's rows of the logits, and their softmax part.
     __device__ void phase_lm_head(int step) {
         if (skipped(LM_HEAD)) return;
         const float* norm = reinterpret_cast<const float*>(p.weights + M::FINAL_NORM);
         rmsnorm_1p_stage<M::HIDDEN, THREADS>(p.act + M::ACT_X, norm, M::EPS, staged<M::HIDDEN>(), scratch);
         float* logits = p.logits ? p.logits + (size_t)step * p.logits_stride : nullptr;
+        float* row_logits = SAMPLED ? p.act + M::ACT_LOGITS : nullptr;
         ArgMax best = argmax_none();
         gemv<M::HIDDEN>(4 * M::LAYERS, [&](int row, const float* acc, int n) {
             for (int r = 0; r < n; ++r) {
                 best = argmax_pick(best, ArgMax{acc[r], row + r});
                 if (logits) logits[row + r] = acc[r];
+                if (row_logits) row_logits[row + r] = acc[r];
             }
         });
-        best = block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch));
-        if (threadIdx.x == 0) reinterpret_cast<ArgMax*>(p.act + M::ACT_ARGMAX)[blockIdx.x] = best;
+        best = block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch));  // (block barriers: the rows are
+        if (threadIdx.x == 0) reinterpret_cast<ArgMax*>(p.act + M::ACT_ARGMAX)[blockIdx.x] = best;  // written)
+        if constexpr (SAMPLED) sample_part();
+    }
+
+    // Sampled: the softmax part of the block's rows of the logits.
+    __device__ void sample_part() {
+        const Segment& rows = stream.segments(4 * M::LAYERS);  // block_rows(M::VOCAB), sample.cuh's slice_of, from
+        const SoftmaxPart part = softmax_part<THREADS>(                    // the table (not held through the steps)
+            p.act + M::ACT_LOGITS + rows.r0, rows.r1 - rows.r0, p.inv_temperature, sample_scratch());
+        if (threadIdx.x == 0) reinterpret_cast<SoftmaxPart*>(p.act + M::ACT_SAMPLE)[blockIdx.x] = part;
+    }
+
+    // The staged GEMV input is spent once the LM head's GEMV is: its work area serves the draw's reductions.
+    __device__ double* sample_scratch() const { return reinterpret_cast<double*>(work); }
+
+    // After the LM head's barrier, sampled: every block draws the same token from the parts and the logits.
+    __device__ int merged_sample(int step) {
+        // (G::BLOCKS, the grid: a count of gridDim.x would be worked out once and held through the steps)
+        return sample_pick<THREADS>(reinterpret_cast<const SoftmaxPart*>(p.act + M::ACT_SAMPLE), G::BLOCKS,
+                                    p.act + M::ACT_LOGITS, M::VOCAB, p.inv_temperature, p.uniforms[step],
+                                    sample_scratch());
     }
 
     // After the LM head's barrier: every block merges the partials, so every block knows the token.
@@ -497,19 +530,26 @@ struct Decoder {
         }
     }
 
+    // The phases step s runs: all of them, but where phase_limit stops the last step.
+    __device__ int phases_of(int s) const {
+        return s == p.n_steps - 1 && p.phase_limit >= 0 ? p.phase_limit : PHASES;
+    }
+
     __device__ void run() {
         stream.segments.fill();
         ring.init();
         if (threadIdx.x < 32) ring.pump(stream);
         if (blockIdx.x == 0 && threadIdx.x == 0) *p.n_done = 0;
-        if (threadIdx.x == 0) flag[1] = p.prompt[0];
+        if (threadIdx.x == 0) {
+            flag[1] = p.prompt[0];
+            flag[3] = phases_of(0);
+        }
         __syncthreads();
         for (int pos = p.position; pos < p.position + p.n_steps; ++pos) {  // the step, s, is derived: one register
             const int s = pos - p.position;                                  // fewer held across the phases
-            const int limit = s == p.n_steps - 1 && p.phase_limit >= 0 ? p.phase_limit : PHASES;
             int k = 0;
             step = s;
-            for (; k < limit && k < PHASES - 1; ++k) {
+            for (; k < flag[3] && k < PHASES - 1; ++k) {
                 const int l = k / 5;
                 phase = k;
                 if (threadIdx.x == 0) trace(T_START, global_ns());
@@ -522,18 +562,23 @@ struct Decoder {
                 }
                 end_phase(k, pos);
             }
-            if (k < limit) {  // the LM head and the argmax, unless phase_limit stopped the step before it
+            if (k < flag[3]) {  // the LM head and the token, unless phase_limit stopped the step before it
                 phase = k;
                 if (threadIdx.x == 0) trace(T_START, global_ns());
                 phase_lm_head(s);
                 end_phase(k, pos);
-                const int token = merged_argmax();
+                int token;
+                if constexpr (SAMPLED) token = merged_sample(s);
+                else token = merged_argmax();
                 if (blockIdx.x == 0 && threadIdx.x == 0) {
                     p.tokens[s] = token;
                     *p.n_done = s + 1;
                 }
                 if (token == p.eos && s >= p.n_prompt - 1) break;
-                if (threadIdx.x == 0) flag[1] = s + 1 < p.n_prompt ? p.prompt[s + 1] : token;
+                if (threadIdx.x == 0) {
+                    flag[1] = s + 1 < p.n_prompt ? p.prompt[s + 1] : token;
+                    flag[3] = phases_of(s + 1);
+                }
                 __syncthreads();
             }
         }

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import lucegen.engine.layered as layered_mod
-from lucegen.kernels import gemm, layered, qgemv, tree
+from lucegen.kernels import gemm, layered, qgemv, sample, tree
 from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.kernels.qgemv import fmt_of
 from lucegen.model.checkpoint import make_checkpoint
@@ -160,6 +160,9 @@ class LayeredHostKernel:
             v, n, out, _, _ = args
             rows = grid[1] if len(grid) > 1 else 1
             out.a[:rows] = np.argmax(v.a.reshape(-1)[:rows * n].reshape(rows, n), axis=1)
+        elif name == "sample_f32":
+            v, n, (inv_t, _), (u, _), out, _, _ = args
+            out.a[0] = sample.reference(v.a.reshape(-1)[:n], 1 / inv_t, u, grid[0])
         elif name == "layered_embed":
             table, io, x = args
             m, V = grid[0], c.vocab_size

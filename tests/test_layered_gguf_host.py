@@ -14,6 +14,7 @@ import pytest
 
 import lucegen.engine.layered as layered_mod
 from lucegen.engine.layered import LayeredEngine
+from lucegen.kernels import argmax, sample
 from lucegen.reference import State, decode_step, relative_error
 from lucegen.spec import load_spec
 
@@ -94,4 +95,21 @@ def test_a_kv_format_the_step_does_not_read_yet_says_so_and_keeps_bf16_rows(gguf
         with pytest.warns(UserWarning, match="fp8 is not read by the layer-by-layer step's attention for ratio3q"):
             engine = LayeredEngine(weights, RATIO3_Q, spec=spec, max_context=16, chunk=4)
         assert engine.state.kv_format == "bf16"
+        engine.free()
+
+
+def test_a_sampled_step_draws_its_token_from_its_own_logits(gguf):
+    weights, _ = gguf
+    spec = load_spec("h200")
+    with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
+        engine = LayeredEngine(weights, RATIO3_Q, spec=spec, max_context=64, chunk=4)
+        for temperature, u in [(0.7, 0.1), (1.0, 0.5), (1.5, 0.93)]:
+            engine.reset()
+            engine.prefill([3, 1, 4])
+            logits = engine.decode(1)
+            engine.reset()
+            engine.prefill([3, 1, 4])
+            token = engine.decode_sample(1, temperature, u)
+            assert engine.position == 4
+            assert token == sample.reference(logits, temperature, u, argmax.blocks(spec))
         engine.free()

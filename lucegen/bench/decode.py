@@ -3,6 +3,9 @@
     tg128        one launch of 128 steps (a 1-token prompt, 127 tokens fed back on the device), median of several
                  launches after a warm-up: tok/s, time per token, achieved bandwidth (weight bytes per token x tok/s)
                  against the read ceiling measured in the same run (and the spec's)
+    sampled      tg128 with every token drawn at temperature 0.8 on the device (one launch, the draws' uniforms
+                 uploaded with it), beside drawing on the host from each step's logits (a launch a token: the
+                 engine's path before the device draw, and still top_k's and top_p's)
     pp520        520 prompt tokens through the decode path in one launch (there is no prefill kernel in this path)
     phases       where a token's time goes: tg128 with one phase kind left out (work and weight reads; barriers stay)
                  gives that kind's share; every kind left out gives the barriers alone; prefetch off gives what the
@@ -18,11 +21,13 @@ Every number goes to results/<gpu>.jsonl through Recorder, with its limit where 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..engine.decode import DecodeEngine
+from ..engine.sampling import Sampler, SamplingParams
 from ..kernels.megakernel import PHASE_KINDS, TRACE_FIELDS, Layout
 from ..model.config import LINEAR, ModelConfig, load_config
 from ..runtime import DeviceArray, Stream
@@ -36,6 +41,7 @@ from .timing import median_ms
 TG, PP = 128, 520
 TRACE_STEPS = 24
 HF_TOKENS = 32
+SAMPLED_TEMPERATURE, HOST_DRAWS = 0.8, 32
 WEIGHT_PREFETCH_SWEEP = (0, 2, 4, 8, 16)  # weight tiles an SM asks L2 for beyond its ring (32 KB each on the H200)
 
 
@@ -158,6 +164,24 @@ def run(recorder: Recorder | None = None, model: str = "qwen3.5-0.8b") -> None:
                weight_bytes_per_token=per_token)
     rec.record("tg128_us_per_token", name, ms * 1e3 / TG, "us", per_token / (read_gbs * 1e3))
     rec.record("decode_bw_frac", name, gbs / read_gbs, "fraction", 1.0, achieved_gbs=round(gbs, 1))
+
+    # sampled: drawn on the device in the launch, and on the host a step at a time
+    sampler = Sampler(SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=0))
+    first = int(rng.integers(cfg.vocab_size))
+    ms_sampled = launch_ms([first], TG - 1, temperature=SAMPLED_TEMPERATURE, uniforms=sampler.rng.random(TG))
+    engine.reset()
+    token, start = first, time.perf_counter()
+    for _ in range(HOST_DRAWS):
+        token = sampler(engine.decode(token))
+    host_ms = (time.perf_counter() - start) * 1e3 / HOST_DRAWS
+    engine.reset()
+    sampled_tok_s = TG / (ms_sampled * 1e-3)
+    print(f"\n  sampled at temperature {SAMPLED_TEMPERATURE}: {sampled_tok_s:.0f} tok/s drawn on the device in one "
+          f"launch ({tok_s / sampled_tok_s:.3f}x greedy's time); drawn on the host a step at a time "
+          f"{1e3 / host_ms:.0f} tok/s")
+    rec.record("tg128_sampled_tok_s", name, sampled_tok_s, "tok/s", limit, temperature=SAMPLED_TEMPERATURE,
+               greedy_tok_s=round(tok_s, 1), host_draw_tok_s=round(1e3 / host_ms, 1),
+               vs_host_draw=round(sampled_tok_s * host_ms / 1e3, 2))
 
     # pp520 through the decode path
     ms_pp = launch_ms([int(t) for t in rng.integers(0, cfg.vocab_size, PP)])

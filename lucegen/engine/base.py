@@ -35,4 +35,6 @@ class Engine(Protocol):
     def decode(self, token: int) -> np.ndarray:
         """Append one token; return the float32 logits [vocab] after it. An engine may also have
         decode_argmax(token) -> int: the same step, returning the argmax of those logits (numpy's rule: the lowest
-        index of the largest) without copying them to the host; greedy generation takes it where it is."""
+        index of the largest) without copying them to the host; greedy generation takes it where it is. And
+        decode_sample(token, temperature, u) -> int: the token drawn on the device from softmax(logits /
+        temperature) with the uniform u, as Sampler would draw it with u (kernels/sample.py)."""

@@ -20,6 +20,7 @@ from ..runtime import DeviceArray, Stream, synchronize
 from ..spec import ChipSpec, spec_for_current_device
 from . import prefill as tensor_prefill
 from .base import ContextOverflow
+from .sampling import Sampler, drawn_on_device
 from .speculating import Speculating
 from .state import DeviceState
 from .weights import DeviceWeights
@@ -31,7 +32,7 @@ PREFILL_FROM = 8
 
 
 class Steps(NamedTuple):
-    tokens: np.ndarray          # int32 [steps done]: the argmax of each step
+    tokens: np.ndarray          # int32 [steps done]: the token of each step (its argmax, or its draw)
     logits: np.ndarray | None   # float32 [steps done, vocab] when asked for
 
 
@@ -85,6 +86,11 @@ class DecodeEngine(Speculating):
         """decode's step, returning the megakernel's argmax (numpy's rule), not vocab logits."""
         return int(self.run([token]).tokens[-1])
 
+    def decode_sample(self, token: int, temperature: float, u: float) -> int:
+        """decode's step, returning the token the megakernel draws from softmax(logits / temperature) with the
+        uniform u (kernels/sample.py's law: Sampler's for the same u), not vocab logits."""
+        return int(self.run([token], temperature=temperature, uniforms=[u]).tokens[-1])
+
     # ---- beyond the interface ---------------------------------------------------------------------------------
     def step(self, token: int, position: int | None = None) -> tuple[np.ndarray, int]:
         """One step at `position` (default: the state's); (logits [vocab], argmax)."""
@@ -93,18 +99,30 @@ class DecodeEngine(Speculating):
         out = self.run([token], logits="last")
         return out.logits[-1], int(out.tokens[-1])
 
-    def generate(self, prompt: Sequence[int], n: int, eos: int | None = None) -> list[int]:
-        """Greedy: the prompt after the state, then up to n generated tokens, all in one launch; stops after eos."""
+    def generate(self, prompt: Sequence[int], n: int, eos: int | None = None,
+                 sampler: Sampler | None = None) -> list[int]:
+        """The prompt after the state, then up to n generated tokens, all in one launch; stops after eos. Greedy,
+        or drawn at the sampler's temperature with its next n uniforms (a temperature alone: top_k and top_p
+        are drawn on the host, from logits)."""
         if n < 1:
             raise ValueError(f"generate {n} tokens: at least one")
-        out = self.run(prompt, n_new=n - 1, eos=eos)
+        if sampler is None or sampler.params.temperature == 0:
+            out = self.run(prompt, n_new=n - 1, eos=eos)
+        elif not drawn_on_device(sampler.params):
+            raise ValueError(f"the megakernel draws at a temperature alone, not with {sampler.params}")
+        else:
+            out = self.run(prompt, n_new=n - 1, eos=eos, temperature=sampler.params.temperature,
+                           uniforms=sampler.rng.random(n))
         return [int(t) for t in out.tokens[len(prompt) - 1:]]
 
     def run(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
-            phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True) -> Steps:
-        """len(tokens) + n_new steps in one launch: the tokens, then n_new steps that read the previous argmax
-        (stopping after an argmax equal to eos). logits: None, "last" (the last step's) or "all"."""
-        self.enqueue(tokens, n_new, eos, logits, phase_limit, skip_mask, prefetch)
+            temperature: float = 0.0, uniforms: Sequence[float] = (), phase_limit: int = -1, skip_mask: int = 0,
+            prefetch: bool | int = True) -> Steps:
+        """len(tokens) + n_new steps in one launch: the tokens, then n_new steps that read the previous token
+        (stopping after a token equal to eos). A step's token is its argmax, or at a temperature > 0 the draw with
+        the next of `uniforms` (n_new + 1 of them: the last prompt token's step and the generated ones'). logits:
+        None, "last" (the last step's) or "all"."""
+        self.enqueue(tokens, n_new, eos, logits, temperature, uniforms, phase_limit, skip_mask, prefetch)
         done = int(self.n_done.numpy()[0])
         if phase_limit < 0:
             self.state.position += done
@@ -117,8 +135,9 @@ class DecodeEngine(Speculating):
         return Steps(toks, self._buffers["logits"].view((rows, self.config.vocab_size), np.float32).numpy())
 
     def enqueue(self, tokens: Sequence[int], n_new: int = 0, eos: int | None = None, logits: str | None = None,
-                phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True,
-                stream: Stream | None = None, trace: DeviceArray | None = None):
+                temperature: float = 0.0, uniforms: Sequence[float] = (), phase_limit: int = -1,
+                skip_mask: int = 0, prefetch: bool | int = True, stream: Stream | None = None,
+                trace: DeviceArray | None = None):
         """The launch of run() without waiting for it or advancing the state (benchmarks time this)."""
         if not len(tokens):
             raise ValueError("no tokens to run")
@@ -135,9 +154,18 @@ class DecodeEngine(Speculating):
         out_tokens = self._buffer("tokens", n_steps, np.int32)
         out_logits = None if logits is None else self._buffer("logits", (n_steps if logits == "all" else 1) * V,
                                                               np.float32)
+        draws = None
+        if temperature:
+            u = np.asarray(uniforms, np.float64)
+            if not temperature > 0 or u.shape != (n_new + 1,) or not ((u >= 0) & (u < 1)).all():
+                raise ValueError(f"a sampled run of {len(tokens)} tokens and {n_new} new ones takes a temperature "
+                                 f"> 0 (got {temperature}) and {n_new + 1} uniforms in [0, 1) (got {u.size})")
+            draws = self._buffer("uniforms", n_steps, np.float64)
+            draws.view(n_steps, np.float64).copy_from(np.concatenate([np.zeros(len(tokens) - 1), u]), stream=stream)
         self.kernel.launch(self.table, prompt, len(tokens), self.position, n_steps, out_tokens, self.n_done,
                            logits=out_logits, logits_stride=V if logits == "all" else 0,
-                           eos=-1 if eos is None else eos, phase_limit=phase_limit, skip_mask=skip_mask,
+                           eos=-1 if eos is None else eos, uniforms=draws, temperature=temperature or 1.0,
+                           phase_limit=phase_limit, skip_mask=skip_mask,
                            prefetch=prefetch, trace=trace, stream=stream)
 
     def outputs(self) -> list[DeviceArray]:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..model.tokenizer import Tokenizer
 from .base import ContextOverflow, Engine
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, drawn_on_device
 
 
 @dataclass
@@ -104,9 +104,10 @@ class _StopText:
 
 class _Tokens:
     """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode; greedy:
-    engine.decode_argmax where the engine has it, which leaves the logits on the device), or with a draft
-    (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run only when
-    their tokens are asked for; `passes` counts them."""
+    engine.decode_argmax where the engine has it, and at a temperature alone engine.decode_sample with the
+    sampler's next uniform, both of which leave the logits on the device), or with a draft (engine.speculation) a
+    speculative round: the accepted draft tokens and the bonus token. Passes run only when their tokens are asked
+    for; `passes` counts them."""
 
     def __init__(self, engine: Engine, sampler: Sampler, prompt_ids: Sequence[int], max_tokens: int):
         self.engine, self.sampler, self.prompt_ids, self.max_tokens = engine, sampler, prompt_ids, max_tokens
@@ -114,8 +115,12 @@ class _Tokens:
 
     def __iter__(self) -> Iterator[int]:
         engine, sampler = self.engine, self.sampler
-        greedy = getattr(engine, "decode_argmax", None) if sampler.params.temperature == 0 else None
-        step = greedy or (lambda token: sampler(engine.decode(token)))
+        params, on_device = sampler.params, None
+        if params.temperature == 0:
+            on_device = getattr(engine, "decode_argmax", None)
+        elif drawn_on_device(params) and (draw := getattr(engine, "decode_sample", None)):
+            on_device = lambda token: draw(token, params.temperature, sampler.rng.random())
+        step = on_device or (lambda token: sampler(engine.decode(token)))
         out = [sampler(engine.prefill(self.prompt_ids))]
         yield out[0]
         while True:

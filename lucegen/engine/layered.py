@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
-from ..kernels import argmax, layered, qgemm_tc, qgemv, tree
+from ..kernels import argmax, layered, qgemm_tc, qgemv, sample, tree
 from ..model.config import LINEAR, ModelConfig
 from ..model.draft_config import DraftConfig
 from ..model.gguf_file import GGUFCheckpoint
@@ -54,7 +54,7 @@ def units(spec: ChipSpec, cfg: ModelConfig, weights: LayeredWeights):
     tc = [(f, k) for f, k in weights.pairs() if f in spec.tuning.qgemv.tensor_core_formats]
     return [*layered.units(spec, cfg, [weights.embed.parts[0].fmt]), *tree.units(spec, cfg, [weights.tiled]),
             *qgemv.units(spec, cfg, [p for p in weights.pairs() if p not in tc]), *argmax.units(spec, cfg),
-            *(qgemm_tc.units(spec) if tc else [])]
+            *sample.units(spec, cfg), *(qgemm_tc.units(spec) if tc else [])]
 
 
 def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
@@ -128,6 +128,7 @@ class LayeredStep:
             qmods.setdefault(fmt, mod(f"qgemv_{fmt}"))
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=cfg.name)
         self.argmax = argmax.Argmax(mod("argmax"), spec, self.max_rows)
+        self.sample = sample.Sample(mod("sample"), spec)
         self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}
         self._allocate(self.max_rows)
@@ -298,6 +299,7 @@ class LayeredStep:
         for op in self.mm.values():  # their scratch: quantized or fp16 activations
             op.free()
         self.argmax.free()
+        self.sample.free()
         self.tree.free()
         self.stream.destroy()
 
@@ -367,6 +369,14 @@ class LayeredEngine(Speculating):
         self.step.launch([token])
         self.step.wait()
         return int(self.step.tokens.view(1).numpy()[0])
+
+    def decode_sample(self, token: int, temperature: float, u: float) -> int:
+        """decode's step, returning the token drawn on the device from softmax(logits / temperature) with the
+        uniform u (kernels/sample.py's law: Sampler's for the same u), not vocab logits."""
+        self.step.launch([token])
+        self.step.sample(self.step.logits.view(self.config.vocab_size), temperature, u, stream=self.step.stream)
+        self.step.wait()
+        return int(self.step.sample.out.numpy()[0])
 
     @property
     def max_tree_nodes(self) -> int:

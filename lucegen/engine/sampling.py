@@ -33,6 +33,12 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
 
 
+def drawn_on_device(params: SamplingParams) -> bool:
+    """Whether the GPU engines draw this law's tokens on the device (kernels/sample.py: a temperature alone, with
+    the request's uniforms); the others are drawn here from the logits."""
+    return params.temperature > 0 and params.top_k == 0 and params.top_p == 1
+
+
 def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The float64 distribution [vocab] a token is drawn from.
 

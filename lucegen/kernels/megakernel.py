@@ -28,7 +28,7 @@ from ..spec import ChipSpec
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-KERNEL = "mk_decode"
+KERNEL, SAMPLED_KERNEL = "mk_decode", "mk_decode_sampled"  # each step's argmax; each step's draw
 ALIGN = 256          # bytes: every tensor and activation starts on a 256-byte boundary
 MAX_SLOTS = 16       # ring slots per block: beyond this the ring only costs shared memory
 SHARED_RESERVE = 1024  # bytes of a block's shared memory left to the runtime
@@ -192,7 +192,8 @@ class Layout:
         acts = [("x", H), ("mixed", max(lin_in_rows(cfg), att_in_rows(cfg))),
                 ("mix_out", max(cfg.value_dim, nh * hd)), ("mlp", I),
                 ("att_ml", nkv * self.max_chunks * self.group * 2),
-                ("att_acc", nkv * self.max_chunks * self.group * hd), ("argmax", 2 * self.blocks)]
+                ("att_acc", nkv * self.max_chunks * self.group * hd), ("argmax", 2 * self.blocks),
+                ("logits", V), ("sample", 4 * self.blocks)]  # a sampled step's logits and its blocks' parts
         self.act, self.act_sizes, n = {}, dict(acts), 0
         for name, size in acts:
             self.act[name] = n
@@ -347,11 +348,12 @@ class Layout:
             barrier_tiles=self.spec.tuning.megakernel.barrier_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
             smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes,
-            trace=self.traced)
+            trace=self.traced, kernels=[(KERNEL, False), (SAMPLED_KERNEL, True)])
 
     def unit(self) -> KernelUnit:
         return KernelUnit("megakernel", "megakernel.cu.j2", self.params(),
-                          (KernelSig(KERNEL, self.threads, cooperative=True, dynamic_smem=self.smem_bytes),))
+                          tuple(KernelSig(name, self.threads, cooperative=True, dynamic_smem=self.smem_bytes)
+                                for name in (KERNEL, SAMPLED_KERNEL)))
 
 
 def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
@@ -378,13 +380,15 @@ class Megakernel:
         self.cfg, self.spec = cfg, spec
         self.layout = lay = Layout(cfg, spec, traced)
         result = build(spec, cfg, [lay.unit()], root=build_root or BUILD_DIR)
-        self.kernel = result.module("megakernel").kernel(KERNEL)
-        if lay.smem_bytes > 48 * 1024:
-            self.kernel.set_max_dynamic_smem(lay.smem_bytes)
-        resident = self.kernel.max_active_blocks_per_sm(lay.threads, lay.smem_bytes) * device_info().sm_count
-        if resident < lay.blocks:
-            raise LayoutError(f"{spec.name}: {lay.blocks} blocks of the megakernel must all be resident, but this "
-                              f"GPU holds {resident} ({lay.smem_bytes} bytes of shared memory each)")
+        module = result.module("megakernel")
+        self.kernel, self.sampled = module.kernel(KERNEL), module.kernel(SAMPLED_KERNEL)
+        for kernel in (self.kernel, self.sampled):
+            if lay.smem_bytes > 48 * 1024:
+                kernel.set_max_dynamic_smem(lay.smem_bytes)
+            resident = kernel.max_active_blocks_per_sm(lay.threads, lay.smem_bytes) * device_info().sm_count
+            if resident < lay.blocks:
+                raise LayoutError(f"{spec.name}: {lay.blocks} blocks of {kernel.name} must all be resident, but "
+                                  f"this GPU holds {resident} ({lay.smem_bytes} bytes of shared memory each)")
         self.weights = DeviceArray.empty(lay.arena_bytes, np.uint8)
         if weights is None:
             self._fill_random(build_root or BUILD_DIR, seed)
@@ -426,11 +430,14 @@ class Megakernel:
         return DeviceArray.from_numpy(np.array(ptrs or [0], np.uint64))
 
     def launch(self, table, prompt, n_prompt: int, position: int, n_steps: int, tokens, n_done, *, logits=None,
-               logits_stride: int = 0, eos: int = -1, phase_limit: int = -1, skip_mask: int = 0,
-               prefetch: bool | int = True, trace=None, stream=None) -> None:
+               logits_stride: int = 0, eos: int = -1, uniforms=None, temperature: float = 1.0,
+               phase_limit: int = -1, skip_mask: int = 0, prefetch: bool | int = True, trace=None,
+               stream=None) -> None:
         """n_steps decode steps from `position` (asynchronous). Step s reads prompt[s] while s < n_prompt, else the
-        previous step's argmax; writes its argmax to tokens[s] and, when `logits` is given, its logits at
-        logits + s * logits_stride; stops after a generated step whose argmax is `eos`. n_done: steps done.
+        previous step's token; writes its token to tokens[s] and, when `logits` is given, its logits at
+        logits + s * logits_stride; stops after a generated step whose token is `eos`. n_done: steps done. A
+        step's token is its argmax, or with `uniforms` (fp64 [n_steps] on the device) the token drawn from
+        softmax(logits / temperature) with uniforms[s] (kernels/sample.py's law).
         prefetch: True (the spec's L2 prefetches), False (none), or a number of weight tiles to prefetch beyond the
         ring (a sweep; where the spec's weight_prefetch_tiles compiled the weight prefetch in).
         trace: None, or (a kernel built traced) a uint64 device array of trace_size(n_steps) values that receives
@@ -439,11 +446,15 @@ class Megakernel:
             raise ValueError("a timeline needs the megakernel built with traced=True")
         if prefetch is True:
             prefetch = max(1, self.spec.tuning.megakernel.weight_prefetch_tiles)
+        if uniforms is not None and not temperature > 0:
+            raise ValueError(f"a sampled launch at temperature {temperature}: it must be > 0")
         out = (logits.ptr if logits is not None else 0, ctypes.c_void_p)
-        self.kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt,
-                    n_prompt, position, n_steps, eos, tokens, out, logits_stride, n_done, phase_limit, skip_mask,
-                    int(prefetch), (trace.ptr if trace is not None else 0, ctypes.c_void_p),
-                    smem=self.layout.smem_bytes, stream=stream, cooperative=True)
+        draws = (uniforms.ptr if uniforms is not None else 0, ctypes.c_void_p)
+        kernel = self.kernel if uniforms is None else self.sampled
+        kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt, n_prompt,
+               position, n_steps, eos, tokens, draws, (1.0 / temperature, ctypes.c_double), out, logits_stride,
+               n_done, phase_limit, skip_mask, int(prefetch), (trace.ptr if trace is not None else 0, ctypes.c_void_p),
+               smem=self.layout.smem_bytes, stream=stream, cooperative=True)
 
     def trace_size(self, n_steps: int) -> int:
         """The values a traced launch of n_steps writes: TRACE_FIELDS per (step, phase, block)."""

@@ -39,6 +39,7 @@ from lucegen.spec import TENSOR_CORE_FORMATS, spec_for_current_device
 from lucegen.spec_decode.tree import ancestry
 
 from xblocks import assert_xblocks_of
+from test_sample import host_token
 from host_layered import RATIO3_Q, after, assert_speculation_is_plain_greedy, checkpoint, unquantized
 
 pytestmark = pytest.mark.gpu
@@ -142,6 +143,27 @@ def test_decode_argmax_is_the_argmax_of_decodes_logits(gguf):
     engine.reset()
     engine.prefill(tokens[:4])
     assert [engine.decode_argmax(t) for t in tokens[4:]] == want
+    assert engine.position == len(tokens)
+
+
+def test_decode_sample_draws_from_decodes_logits(gguf):
+    """decode_sample (a sampled step at a temperature: the device draw, no logits to the host) takes decode's step:
+    the host's draw from decode's logits with the same uniform, and the same state after it, step after step."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    rng = np.random.default_rng(6)
+    tokens = [int(t) for t in rng.integers(0, RATIO3_Q.vocab_size, 24)]
+    u = rng.random(len(tokens))
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    want = [host_token(engine.decode(t), 0.8, u[i]) for i, t in enumerate(tokens[4:])]
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    for i, t in enumerate(tokens[4:]):
+        token, (host, margin) = engine.decode_sample(t, 0.8, u[i]), want[i]
+        assert token == host or margin <= 1e-12, f"step {i}: drew {token}, the host {host}"
     assert engine.position == len(tokens)
 
 

@@ -38,6 +38,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lucegen.engine.decode import DecodeEngine
+from lucegen.engine.sampling import Sampler, SamplingParams
 from lucegen.kernels import conv1d
 from lucegen.kernels.megakernel import PHASE_KINDS, reference_weights
 from lucegen.model.config import LINEAR, load_config, tiny_config
@@ -47,6 +48,7 @@ from lucegen.reference.deltanet import recurrent_gated_delta_rule
 from lucegen.reference.model import lm_head
 from lucegen.reference.ops import apply_rope, argmax, rms_norm, rms_norm_gated, rope_cos_sin, sigmoid, silu
 from lucegen.spec import spec_for_current_device
+from test_sample import host_token
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -357,6 +359,45 @@ def test_one_launch_of_n_steps_equals_n_launches():
         single.append(logits)
     np.testing.assert_array_equal(np.stack(single), many.logits)  # bitwise: no timing-dependent sums anywhere
     assert token == many.tokens[-1]
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.5])
+def test_sampled_steps_draw_from_their_logits_and_feed_the_draw_back(temperature):
+    """A sampled launch: every step's token is the host's draw from that step's logits with its uniform (the same
+    token where u is not within rounding of a boundary), and the next step reads it: teacher-forcing the drawn
+    tokens gives the same logits bit for bit."""
+    m = model("small")
+    rng = np.random.default_rng(int(temperature * 10))
+    prompt = [int(t) for t in rng.integers(0, m.cfg.vocab_size, 5)]
+    u = rng.random(20)
+    m.load(State())
+    out = m.engine.run(prompt, n_new=19, logits="all", temperature=temperature, uniforms=u)
+    assert not m.engine.kernel.sync.numpy().any()
+    drawn = out.tokens[len(prompt) - 1:]
+    for i, token in enumerate(drawn):
+        want, margin = host_token(out.logits[len(prompt) - 1 + i], temperature, u[i])
+        assert token == want or margin <= 1e-12, f"step {i}: drew {token}, the host {want}"
+    m.load(State())  # the same kernel, every token given (the last step's draw aside)
+    forced = m.engine.run([*prompt, *drawn[:-1]], logits="all", temperature=temperature, uniforms=u[-1:])
+    np.testing.assert_array_equal(forced.logits, out.logits)
+    assert forced.tokens[-1] == drawn[-1]
+
+
+def test_a_seeded_sampled_launch_generates_the_hosts_tokens():
+    """generate() with a sampler: one launch, the sampler's uniforms in order; the same tokens as drawing on the
+    host from each step's logits with the same seed."""
+    m = model("small")
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(temperature=0.9, seed=11)
+    m.load(State())
+    device = m.engine.generate(prompt, 24, sampler=Sampler(params))
+    m.load(State())
+    host, sampler = [], Sampler(params)
+    logits = m.engine.prefill(prompt)
+    for _ in range(24):
+        host.append(sampler(logits))
+        logits = m.engine.decode(host[-1])
+    assert device == host
 
 
 def test_prefetch_changes_no_result():
