@@ -19,7 +19,7 @@ import lucegen.engine.layered_draft as layered_draft_mod
 from lucegen.engine.generate import generate
 from lucegen.engine.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from lucegen.engine.sampling import Sampler, SamplingParams
-from lucegen.kernels import draft, topk
+from lucegen.kernels import draft
 from lucegen.model.draft import load_draft
 from lucegen.model.tokenizer import Tokenizer
 from lucegen.model.weights import open_weights
@@ -29,7 +29,7 @@ from lucegen.spec_decode import Speculation
 
 from host_kernels import on_host, rows_of, run_gemm, store
 from host_layered import (HostGraph, HostStream, LayeredHostKernel, _array, after, bf16_activations, layered_on_host,
-                          plain_greedy, write_xblocks)
+                          plain_greedy, topk_on_host, write_xblocks)
 
 STEP_RTOL = 1e-2  # the step's bf16 K/V cache against the reference's fp32 one (tests/gpu/test_layered_gpu.py)
 # the log-prob gap (nats) between the reference draft's best and second token past which the GPU draft's best may
@@ -128,10 +128,7 @@ class TopKHostKernel:
     writes them."""
 
     def __call__(self, grid, block, logits, vocab, k, lists, stats, tickets, ids, logprobs, stream=None):
-        n = grid[1]
-        ref_ids, ref_lp = topk.reference(logits.a.reshape(-1)[:n * vocab].reshape(n, vocab), k)
-        ids.a.reshape(-1)[:n * k] = ref_ids.reshape(-1)
-        logprobs.a.reshape(-1)[:n * k] = ref_lp.reshape(-1)
+        topk_on_host(grid[1], logits, vocab, k, ids, logprobs)
 
 
 @contextlib.contextmanager

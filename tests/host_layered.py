@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import lucegen.engine.layered as layered_mod
-from lucegen.kernels import gemm, layered, qgemv, sample, tree
+from lucegen.kernels import gemm, layered, qgemv, sample, topk, tree
 from lucegen.kernels.gdn import gated_norm_reference
 from lucegen.kernels.qgemv import fmt_of
 from lucegen.model.checkpoint import make_checkpoint
@@ -120,6 +120,14 @@ def parents_of_depths(depth: np.ndarray) -> list[int]:
     return parents
 
 
+def topk_on_host(n: int, logits, vocab: int, k: int, ids, logprobs) -> None:
+    """topk_f32 by its numpy reference (topk.reference) on n rows of the launch's logits; its outputs written as the
+    kernel writes them."""
+    ref_ids, ref_lp = topk.reference(logits.a.reshape(-1)[:n * vocab].reshape(n, vocab), k)
+    ids.a.reshape(-1)[:n * k] = ref_ids.reshape(-1)
+    logprobs.a.reshape(-1)[:n * k] = ref_lp.reshape(-1)
+
+
 class LayeredHostKernel:
     def __init__(self, cfg, name: str, unit: str = ""):
         self.cfg, self.name, self.unit = cfg, name, unit  # unit: the kernel's module (layered_<embedding format>)
@@ -160,6 +168,9 @@ class LayeredHostKernel:
             v, n, out, _, _ = args
             rows = grid[1] if len(grid) > 1 else 1
             out.a[:rows] = np.argmax(v.a.reshape(-1)[:rows * n].reshape(rows, n), axis=1)
+        elif name == "topk_f32":
+            logits, vocab, k, _, _, _, ids, logprobs = args
+            topk_on_host(grid[1], logits, vocab, k, ids, logprobs)
         elif name == "sample_f32":
             v, n, (inv_t, _), (u, _), out, _, _ = args
             out.a[0] = sample.reference(v.a.reshape(-1)[:n], 1 / inv_t, u, grid[0])

@@ -14,7 +14,7 @@ import pytest
 
 import lucegen.engine.layered as layered_mod
 from lucegen.engine.layered import LayeredEngine
-from lucegen.kernels import argmax, sample
+from lucegen.kernels import argmax, sample, topk
 from lucegen.reference import State, decode_step, relative_error
 from lucegen.spec import load_spec
 
@@ -98,7 +98,7 @@ def test_a_kv_format_the_step_does_not_read_yet_says_so_and_keeps_bf16_rows(gguf
         engine.free()
 
 
-def test_a_sampled_step_draws_its_token_from_its_own_logits(gguf):
+def test_a_sampled_step_draws_its_token_and_its_top_k_from_its_own_logits(gguf):
     weights, _ = gguf
     spec = load_spec("h200")
     with pytest.MonkeyPatch.context() as mp, layered_on_host(mp):
@@ -112,4 +112,12 @@ def test_a_sampled_step_draws_its_token_from_its_own_logits(gguf):
             token = engine.decode_sample(1, temperature, u)
             assert engine.position == 4
             assert token == sample.reference(logits, temperature, u, argmax.blocks(spec))
+        engine.reset()
+        engine.prefill([3, 1, 4])
+        ids, values = engine.decode_top_k(1, 21)
+        assert engine.position == 4
+        want_ids, want_values = topk.reference(logits, 21)
+        np.testing.assert_array_equal(ids, want_ids[0])
+        np.testing.assert_array_equal(values, want_values[0])
+        np.testing.assert_array_equal(engine.step_logits(), logits)
         engine.free()

@@ -1,6 +1,9 @@
 """The device draw's law (lucegen/kernels/sample.py): its blocked numpy reference against the host's Sampler for
-the same uniform, and the generation loop's use of an engine's decode_sample."""
+the same uniform; a top_k draw from the device's k + 1 best; the generation loop's use of an engine's decode_sample
+and decode_top_k."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,8 +11,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from lucegen.engine import load_model
 from lucegen.engine.generate import generate
-from lucegen.engine.sampling import SamplingParams, drawn_on_device, filtered_probs
-from lucegen.kernels import sample
+from lucegen.engine.sampling import Sampler, SamplingParams, drawn_on_device, filtered_probs
+from lucegen.kernels import sample, topk
 from lucegen.kernels.megakernel import Layout
 from lucegen.model.config import tiny_config
 from lucegen.spec import load_spec
@@ -62,15 +65,41 @@ def test_drawn_on_device_is_a_temperature_alone():
         assert not drawn_on_device(params)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (5, 1.0), (20, 0.8), (50, 0.95)])
+def test_a_top_k_draw_from_the_best_k_plus_one_is_the_rows(top_k, top_p):
+    """Sampler.draw_top_k on the device's k + 1 best (ids best first, log-softmax values: topk.reference) draws what
+    Sampler draws from the whole row, from the same generator state."""
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    rng = np.random.default_rng(top_k)
+    for seed in range(40):
+        logits = (rng.standard_normal(1000) * 3).astype(np.float32)
+        ids, values = topk.reference(logits, top_k + 1)
+        a, b = Sampler(dataclasses.replace(params, seed=seed)), Sampler(dataclasses.replace(params, seed=seed))
+        assert a.draw_top_k(ids[0], values[0]) == b(logits)
+
+
+def test_a_tie_at_the_kth_leaves_the_draw_to_the_whole_row():
+    logits = np.array([0.0, 3.0, 1.0, 3.0, 1.0, -2.0], np.float32)  # the 3rd and 4th best tie (ids 2 and 4)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0))
+    ids, values = topk.reference(logits, 4)
+    state = sampler.rng.bit_generator.state
+    assert sampler.draw_top_k(ids[0], values[0]) is None
+    assert sampler.rng.bit_generator.state == state  # nothing drawn
+    with pytest.raises(ValueError, match="takes the 4 best"):
+        sampler.draw_top_k(ids[0][:3], values[0][:3])
+
+
 class FlatEngine:
-    """An engine whose logits are a fixed function of the position and token (numpy), with or without a
-    decode_sample that draws by the kernel's reference: generation must draw the same tokens either way."""
+    """An engine whose logits are a fixed function of the position and token (numpy), with or without the device
+    paths (decode_sample drawing by the kernel's reference, decode_top_k by topk's): generation must draw the same
+    tokens either way."""
+    max_top_k = 64
 
     def __init__(self, on_device: bool):
         self.config = tiny_config()
-        self.max_context, self._pos, self.device_draws = 4096, 0, 0
+        self.max_context, self._pos, self.device_draws, self.top_k_steps = 4096, 0, 0, 0
         if on_device:
-            self.decode_sample = self._decode_sample
+            self.decode_sample, self.decode_top_k = self._decode_sample, self._decode_top_k
 
     @property
     def position(self) -> int:
@@ -96,6 +125,15 @@ class FlatEngine:
         self.device_draws += 1
         return sample.reference(self.decode(token), temperature, u, blocks=7)
 
+    def _decode_top_k(self, token: int, k: int):
+        self.top_k_steps += 1
+        self.last = self.decode(token)
+        ids, values = topk.reference(self.last, k)
+        return ids[0], values[0]
+
+    def step_logits(self) -> np.ndarray:
+        return self.last
+
 
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
@@ -111,8 +149,18 @@ def test_generation_draws_on_the_device_the_hosts_tokens(params, tokenizer):
     assert b.token_ids == a.token_ids
 
 
-def test_top_k_and_top_p_stay_on_the_host(tokenizer):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=20, seed=3),
+                                    SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=4)])
+def test_top_k_takes_the_devices_best_and_draws_the_hosts_tokens(params, tokenizer):
+    host, device = FlatEngine(False), FlatEngine(True)
+    a = generate(host, tokenizer, [5, 6, 7], 30, params, ignore_eos=True)
+    b = generate(device, tokenizer, [5, 6, 7], 30, params, ignore_eos=True)
+    assert (device.top_k_steps, device.device_draws) == (29, 0)
+    assert b.token_ids == a.token_ids
+
+
+def test_top_p_alone_and_a_top_k_past_the_devices_stay_on_the_host(tokenizer):
     engine = FlatEngine(True)
-    generate(engine, tokenizer, [5], 10, SamplingParams(temperature=0.8, top_k=20, seed=1), ignore_eos=True)
     generate(engine, tokenizer, [5], 10, SamplingParams(temperature=0.8, top_p=0.9, seed=1), ignore_eos=True)
-    assert engine.device_draws == 0
+    generate(engine, tokenizer, [5], 10, SamplingParams(temperature=0.8, top_k=64, seed=1), ignore_eos=True)
+    assert (engine.top_k_steps, engine.device_draws) == (0, 0)

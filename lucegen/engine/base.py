@@ -37,4 +37,6 @@ class Engine(Protocol):
         decode_argmax(token) -> int: the same step, returning the argmax of those logits (numpy's rule: the lowest
         index of the largest) without copying them to the host; greedy generation takes it where it is. And
         decode_sample(token, temperature, u) -> int: the token drawn on the device from softmax(logits /
-        temperature) with the uniform u, as Sampler would draw it with u (kernels/sample.py)."""
+        temperature) with the uniform u, as Sampler would draw it with u (kernels/sample.py). And
+        decode_top_k(token, k) -> (ids, log-softmax values) of the k <= max_top_k best tokens, with step_logits()
+        -> the step's logits where the law needs the whole row (Sampler.draw_top_k)."""

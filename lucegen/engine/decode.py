@@ -12,7 +12,8 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from ..codegen.build import BUILD_DIR
+from ..codegen.build import BUILD_DIR, build
+from ..kernels import topk
 from ..kernels.gdn import CHUNK
 from ..kernels.megakernel import Megakernel
 from ..model.config import ModelConfig
@@ -53,6 +54,7 @@ class DecodeEngine(Speculating):
         self.n_done = DeviceArray.empty(1, np.int32)
         self._buffers: dict[str, DeviceArray] = {}
         self._prefill: tuple[tensor_prefill.Prefill, DeviceWeights] | None = None  # built for the first long prompt
+        self._top_k: topk.TopKKernel | None = None  # built for the first decode_top_k
 
     # ---- the Engine interface -------------------------------------------------------------------------------
     @property
@@ -85,6 +87,26 @@ class DecodeEngine(Speculating):
     def decode_argmax(self, token: int) -> int:
         """decode's step, returning the megakernel's argmax (numpy's rule), not vocab logits."""
         return int(self.run([token]).tokens[-1])
+
+    @property
+    def max_top_k(self) -> int:
+        """The most tokens decode_top_k returns (tuning.topk.max_k)."""
+        return topk.max_k(self.spec)
+
+    def decode_top_k(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """decode's step, returning the k best tokens of its logits (best first, ties to the lower id) and their
+        log-softmax values, found on the device (kernels/topk.py), not vocab logits; step_logits() has the rest."""
+        if self._top_k is None:
+            built = build(self.spec, self.config, topk.units(self.spec, self.config), root=self.build_root)
+            self._top_k = topk.TopKKernel(built.module("topk"), self.spec, rows=1, vocab=self.config.vocab_size)
+        self.enqueue([token], logits="last")
+        ids, values = self._top_k(self._buffers["logits"], 1, self.config.vocab_size, k)
+        self.state.position += 1
+        return ids.numpy()[0], values.numpy()[0]
+
+    def step_logits(self) -> np.ndarray:
+        """The logits [vocab] of the last step, where it kept them (logits="last")."""
+        return self._buffers["logits"].view(self.config.vocab_size, np.float32).numpy()
 
     def decode_sample(self, token: int, temperature: float, u: float) -> int:
         """decode's step, returning the token the megakernel draws from softmax(logits / temperature) with the
@@ -185,6 +207,8 @@ class DecodeEngine(Speculating):
         self.free_speculation()
         if self._prefill is not None:
             self._prefill[0].free()
+        if self._top_k is not None:
+            self._top_k.free()
         self.kernel.free()
         self.state.free()
         for a in (self.table, self.n_done, *self._buffers.values()):

@@ -104,10 +104,10 @@ class _StopText:
 
 class _Tokens:
     """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode; greedy:
-    engine.decode_argmax where the engine has it, and at a temperature alone engine.decode_sample with the
-    sampler's next uniform, both of which leave the logits on the device), or with a draft (engine.speculation) a
-    speculative round: the accepted draft tokens and the bonus token. Passes run only when their tokens are asked
-    for; `passes` counts them."""
+    engine.decode_argmax where the engine has it, at a temperature alone engine.decode_sample with the sampler's
+    next uniform, and with top_k engine.decode_top_k's k + 1 best, all of which leave the logits on the device), or
+    with a draft (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run
+    only when their tokens are asked for; `passes` counts them."""
 
     def __init__(self, engine: Engine, sampler: Sampler, prompt_ids: Sequence[int], max_tokens: int):
         self.engine, self.sampler, self.prompt_ids, self.max_tokens = engine, sampler, prompt_ids, max_tokens
@@ -120,6 +120,11 @@ class _Tokens:
             on_device = getattr(engine, "decode_argmax", None)
         elif drawn_on_device(params) and (draw := getattr(engine, "decode_sample", None)):
             on_device = lambda token: draw(token, params.temperature, sampler.rng.random())
+        elif (top := getattr(engine, "decode_top_k", None)) and 0 < params.top_k < min(engine.max_top_k,
+                                                                                      engine.config.vocab_size):
+            def on_device(token: int) -> int:  # the k + 1 best from the device; the whole row only on a tie
+                drawn = sampler.draw_top_k(*top(token, params.top_k + 1))
+                return drawn if drawn is not None else sampler(engine.step_logits())
         step = on_device or (lambda token: sampler(engine.decode(token)))
         out = [sampler(engine.prefill(self.prompt_ids))]
         yield out[0]

@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
-from ..kernels import argmax, layered, qgemm_tc, qgemv, sample, tree
+from ..kernels import argmax, layered, qgemm_tc, qgemv, sample, topk, tree
 from ..model.config import LINEAR, ModelConfig
 from ..model.draft_config import DraftConfig
 from ..model.gguf_file import GGUFCheckpoint
@@ -54,7 +54,7 @@ def units(spec: ChipSpec, cfg: ModelConfig, weights: LayeredWeights):
     tc = [(f, k) for f, k in weights.pairs() if f in spec.tuning.qgemv.tensor_core_formats]
     return [*layered.units(spec, cfg, [weights.embed.parts[0].fmt]), *tree.units(spec, cfg, [weights.tiled]),
             *qgemv.units(spec, cfg, [p for p in weights.pairs() if p not in tc]), *argmax.units(spec, cfg),
-            *sample.units(spec, cfg), *(qgemm_tc.units(spec) if tc else [])]
+            *sample.units(spec, cfg), *topk.units(spec, cfg), *(qgemm_tc.units(spec) if tc else [])]
 
 
 def rows(a: DeviceArray, m: int, width: int, first: int = 0) -> DeviceArray:
@@ -129,6 +129,7 @@ class LayeredStep:
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=cfg.name)
         self.argmax = argmax.Argmax(mod("argmax"), spec, self.max_rows)
         self.sample = sample.Sample(mod("sample"), spec)
+        self.top_k = topk.TopKKernel(mod("topk"), spec, rows=1, vocab=cfg.vocab_size)
         self.stream = Stream(programmatic=spec.tuning.layered.pdl)  # every kernel of the step waits as it must
         self.graphs: dict[tuple, Graph] = {}
         self._allocate(self.max_rows)
@@ -300,6 +301,7 @@ class LayeredStep:
             op.free()
         self.argmax.free()
         self.sample.free()
+        self.top_k.free()
         self.tree.free()
         self.stream.destroy()
 
@@ -377,6 +379,23 @@ class LayeredEngine(Speculating):
         self.step.sample(self.step.logits.view(self.config.vocab_size), temperature, u, stream=self.step.stream)
         self.step.wait()
         return int(self.step.sample.out.numpy()[0])
+
+    @property
+    def max_top_k(self) -> int:
+        """The most tokens decode_top_k returns (tuning.topk.max_k)."""
+        return topk.max_k(self.spec)
+
+    def decode_top_k(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """decode's step, returning the k best tokens of its logits (best first, ties to the lower id) and their
+        log-softmax values, found on the device (kernels/topk.py), not vocab logits; step_logits() has the rest."""
+        self.step.launch([token])
+        ids, values = self.step.top_k(self.step.logits, 1, self.config.vocab_size, k, stream=self.step.stream)
+        self.step.wait()
+        return ids.numpy()[0], values.numpy()[0]
+
+    def step_logits(self) -> np.ndarray:
+        """The logits [vocab] of the last one-token step."""
+        return self.step.logits.view(self.config.vocab_size).numpy()
 
     @property
     def max_tree_nodes(self) -> int:

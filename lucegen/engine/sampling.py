@@ -99,16 +99,33 @@ class Sampler:
             # keeps their order and ties), so the distribution is made over those alone: ~k exponentials, not one a
             # token of the vocabulary (248K: ~5 ms a draw on a CPU core)
             kept = np.flatnonzero(logits >= np.partition(logits, -p.top_k)[-p.top_k])
-            probs = filtered_probs(logits[kept], p.temperature, 0, p.top_p)
-        else:
-            kept, probs = None, filtered_probs(logits, p.temperature, 0, p.top_p)
+            return self.draw_among(kept, logits[kept])
+        return self.draw_among(None, logits)
+
+    def draw_among(self, ids: np.ndarray | None, logits: np.ndarray) -> int:
+        """The token drawn from the law over the candidates `ids` (ascending; None: the whole vocabulary) that
+        top_k kept, with their logits: temperature and top_p applied here."""
+        p = self.params
+        probs = filtered_probs(logits, p.temperature, 0, p.top_p)
         if p.top_p < 1:
             # a filtered draw over the tokens left: the same token as over all of them for the same generator state
             # (the running sums at those tokens are the same)
             left = np.flatnonzero(probs)
-            kept, probs = (left if kept is None else kept[left]), probs[left]
+            ids, probs = (left if ids is None else ids[left]), probs[left]
         token = self.draw(probs)
-        return token if kept is None else int(kept[token])
+        return token if ids is None else int(ids[token])
+
+    def draw_top_k(self, ids: np.ndarray, values: np.ndarray) -> int | None:
+        """The draw of a top_k law from the top_k + 1 best tokens of a row (ids best first, and their logits or any
+        shift of them: the device's log-softmax values), as __call__ draws it from the row: None, drawing nothing,
+        where the (k + 1)-th ties the k-th (the law keeps every tie, so the caller draws from the whole row)."""
+        k = self.params.top_k
+        if len(ids) != k + 1:
+            raise ValueError(f"a top_k {k} draw takes the {k + 1} best tokens, got {len(ids)}")
+        if values[k] == values[k - 1]:
+            return None
+        order = np.argsort(ids[:k])
+        return self.draw_among(np.asarray(ids[:k])[order], np.asarray(values[:k])[order])
 
     def draw(self, probs: np.ndarray) -> int:
         """numpy's Generator.choice(probs.size, p=probs), step for step (the running sums, scaled by the last, and

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from lucegen.engine.layered import LayeredEngine
-from lucegen.kernels import layered, qgemv
+from lucegen.kernels import layered, qgemv, topk
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
 from lucegen.model.gguf_file import load_gguf
@@ -164,6 +164,29 @@ def test_decode_sample_draws_from_decodes_logits(gguf):
     for i, t in enumerate(tokens[4:]):
         token, (host, margin) = engine.decode_sample(t, 0.8, u[i]), want[i]
         assert token == host or margin <= 1e-12, f"step {i}: drew {token}, the host {host}"
+    assert engine.position == len(tokens)
+
+
+def test_decode_top_k_is_the_top_k_of_decodes_logits(gguf):
+    """decode_top_k (a top_k law's step: the k + 1 best from the device) takes decode's step: topk's reference on
+    decode's logits (the same ids; log-softmax values within its tolerance), the step's logits left for a tie,
+    and the same state after it, step after step."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, RATIO3_Q.vocab_size, 16)]
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    rows = [engine.decode(t) for t in tokens[4:]]
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    for t, row in zip(tokens[4:], rows):
+        ids, values = engine.decode_top_k(t, 21)
+        want_ids, want_values = topk.reference(row, 21)
+        np.testing.assert_array_equal(ids, want_ids[0])
+        assert (np.abs(values - want_values[0]) <= topk.logprob_tolerance(row, want_values)[0]).all()
+        np.testing.assert_array_equal(engine.step_logits(), row)
     assert engine.position == len(tokens)
 
 

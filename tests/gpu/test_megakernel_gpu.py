@@ -400,6 +400,26 @@ def test_a_seeded_sampled_launch_generates_the_hosts_tokens():
     assert device == host
 
 
+def test_a_top_k_generation_takes_the_devices_best_and_draws_the_hosts_tokens():
+    """Steps of a top_k law (with top_p) as generate() takes them: the k + 1 best from the device's top-k of each
+    step's logits, drawn on the host; the same tokens as drawing from each step's whole row with the same seed."""
+    m = model("small")
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5)
+    m.load(State())
+    sampler = Sampler(params)
+    host = [sampler(m.engine.prefill([3, 1, 4]))]
+    for _ in range(15):
+        host.append(sampler(m.engine.decode(host[-1])))
+    m.load(State())
+    sampler = Sampler(params)
+    device = [sampler(m.engine.prefill([3, 1, 4]))]
+    for _ in range(15):
+        ids, values = m.engine.decode_top_k(device[-1], params.top_k + 1)
+        drawn = sampler.draw_top_k(ids, values)
+        device.append(drawn if drawn is not None else sampler(m.engine.step_logits()))
+    assert device == host
+
+
 def test_prefetch_changes_no_result():
     m = model("small")
     tokens = np.random.default_rng(7).integers(0, m.cfg.vocab_size, 6)
