@@ -91,8 +91,6 @@ class GpuDraft:
             raise ValueError(f"a draft window of {self.window} rows")
         self.chunk = chunk
         self._upload(draft_weights)
-        H, I = cfg.hidden_size, cfg.intermediate_size
-        nh, hd = cfg.num_attention_heads, cfg.head_dim
         embed_fmt = target.embed.parts[0].fmt
         pairs = {(p.fmt, target.lm_head.k) for p in target.lm_head.parts}  # the LM head's: qgemv
         units = [*layered.units(spec, target_cfg, [embed_fmt]), *draft_kernels.units(spec, target_cfg, cfg),
