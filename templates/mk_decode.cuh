@@ -79,8 +79,6 @@ struct DecodeParams {
     int n_steps;
     int eos;                        // stop after a generated step (s >= n_prompt - 1) whose token is eos; -1: never
     int* tokens;                    // [n_steps] the token of each step: its argmax, or its draw
-    const double* uniforms;         // the sampled kernel: step s draws its token from softmax(logits / temperature)
-    double inv_temperature;         // with uniforms[s] (sample.cuh), 1 / temperature; the greedy one reads neither
     float* logits;                  // logits of step s at logits + s * logits_stride, or null
     int logits_stride;
     int* n_done;                    // steps completed
@@ -90,6 +88,8 @@ struct DecodeParams {
                                     // the ring where G::WEIGHT_PREFETCH_TILES > 0 (the spec's, or a sweep's)
     unsigned long long* trace;      // null, or a timeline (timing; G::TRACE builds): TRACE_FIELDS values per (step,
                                     // phase, block)
+    const double* uniforms;         // the sampled kernel: step s draws its token from softmax(logits / temperature)
+    double inv_temperature;         // with uniforms[s] (sample.cuh), 1 / temperature; the greedy one reads neither
 };
 
 // The timeline a traced launch writes (lucegen/bench/decode.py reads it): per step, phase and block, the global
@@ -254,9 +254,9 @@ struct Decoder {
     ReadyFlags ready; // the in-projection's rows, per block that writes them
     float* work;      // phase scratch (G::WORK_BYTES): staged GEMV input, or a work item's arrays
     float* scratch;   // reductions: WARPS floats, or WARPS ArgMax pairs
-    int* flag;        // [0] a ticket's verdict, [1] this step's input token and [3] its count of phases (shared,
-                      // not registers held across phases), [2] the last grid barrier the poller has seen pass
-                      // (grid.cuh: GridBarrier::wait)
+    int* flag;        // [0] a ticket's verdict, [1] this step's input token and (SAMPLED) [3] its count of phases
+                      // (shared, not registers held across phases), [2] the last grid barrier the poller has seen
+                      // pass (grid.cuh: GridBarrier::wait)
     float* partials;  // K-split GEMVs' partial sums (G::PARTIAL_FLOATS)
     float* own;       // this block's rows of the residual stream (block_rows(HIDDEN)): the rows its out- and
                       // down-projections add to, kept here so those adds read no global memory; x in global
@@ -542,14 +542,17 @@ struct Decoder {
         if (blockIdx.x == 0 && threadIdx.x == 0) *p.n_done = 0;
         if (threadIdx.x == 0) {
             flag[1] = p.prompt[0];
-            flag[3] = phases_of(0);
+            if constexpr (SAMPLED) flag[3] = phases_of(0);
         }
         __syncthreads();
         for (int pos = p.position; pos < p.position + p.n_steps; ++pos) {  // the step, s, is derived: one register
             const int s = pos - p.position;                                  // fewer held across the phases
+            // The phases it runs: the greedy kernel holds the count in a register, the sampled one reads it from
+            // shared memory (flag[3], set with the step's token: in a register it spills in the draw).
+            const int limit = SAMPLED ? 0 : phases_of(s);
             int k = 0;
             step = s;
-            for (; k < flag[3] && k < PHASES - 1; ++k) {
+            for (; k < (SAMPLED ? flag[3] : limit) && k < PHASES - 1; ++k) {
                 const int l = k / 5;
                 phase = k;
                 if (threadIdx.x == 0) trace(T_START, global_ns());
@@ -562,7 +565,7 @@ struct Decoder {
                 }
                 end_phase(k, pos);
             }
-            if (k < flag[3]) {  // the LM head and the token, unless phase_limit stopped the step before it
+            if (k < (SAMPLED ? flag[3] : limit)) {  // the LM head and the token, unless phase_limit stopped the step before it
                 phase = k;
                 if (threadIdx.x == 0) trace(T_START, global_ns());
                 phase_lm_head(s);
@@ -577,7 +580,7 @@ struct Decoder {
                 if (token == p.eos && s >= p.n_prompt - 1) break;
                 if (threadIdx.x == 0) {
                     flag[1] = s + 1 < p.n_prompt ? p.prompt[s + 1] : token;
-                    flag[3] = phases_of(s + 1);
+                    if constexpr (SAMPLED) flag[3] = phases_of(s + 1);
                 }
                 __syncthreads();
             }

@@ -452,8 +452,8 @@ class Megakernel:
         draws = (uniforms.ptr if uniforms is not None else 0, ctypes.c_void_p)
         kernel = self.kernel if uniforms is None else self.sampled
         kernel(self.layout.blocks, self.layout.threads, self.weights, table, self.act, self.sync, prompt, n_prompt,
-               position, n_steps, eos, tokens, draws, (1.0 / temperature, ctypes.c_double), out, logits_stride,
-               n_done, phase_limit, skip_mask, int(prefetch), (trace.ptr if trace is not None else 0, ctypes.c_void_p),
+               position, n_steps, eos, tokens, out, logits_stride, n_done, phase_limit, skip_mask, int(prefetch),
+               (trace.ptr if trace is not None else 0, ctypes.c_void_p), draws, (1.0 / temperature, ctypes.c_double),
                smem=self.layout.smem_bytes, stream=stream, cooperative=True)
 
     def trace_size(self, n_steps: int) -> int:
