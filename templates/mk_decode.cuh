@@ -452,9 +452,9 @@ struct Decoder {
                 if (row_logits) row_logits[row + r] = acc[r];
             }
         });
-        best = block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch));  // (block barriers: the rows are
-        if (threadIdx.x == 0) reinterpret_cast<ArgMax*>(p.act + M::ACT_ARGMAX)[blockIdx.x] = best;  // written)
-        if constexpr (SAMPLED) sample_part();
+        best = block_argmax<THREADS>(best, reinterpret_cast<ArgMax*>(scratch));
+        if (threadIdx.x == 0) reinterpret_cast<ArgMax*>(p.act + M::ACT_ARGMAX)[blockIdx.x] = best;
+        if constexpr (SAMPLED) sample_part();  // (after block_argmax's barriers: the block's rows are written)
     }
 
     // Sampled: the softmax part of the block's rows of the logits.

@@ -8,9 +8,12 @@
 //                  whose running sum of w passes u S (S = sum w), and u' = how far into w_b u S lies (a fraction);
 //                  then the first token of that slice whose running sum of exp(z_i - z_b) passes u' of their sum.
 // Both picks are first_past. Where rounding leaves a target past the last sum, the last token of positive weight is
-// taken. fp64 throughout, so a draw is the host's for the same u except
-// where u lies within ~1e-15 of the boundary between two tokens. Every block that calls a pick with the same inputs
-// gets the same token (a fixed order of adds at every level): the megakernel has every block pick and no block wait.
+// taken. fp64 throughout, so a draw is the host's for the same u except where u lies within ~1e-15 of the boundary
+// between two tokens. Every block that calls a pick with the same inputs gets the same token (a fixed order of adds
+// at every level): the megakernel has every block pick and no block wait.
+//
+// The loops are not unrolled and the scratch is the caller's: inside the megakernel's step loop, registers are what
+// the draw must not take (mk_decode.cuh's sampled kernel compiles without spills).
 //
 // Reference: lucegen/kernels/sample.py.
 #pragma once
