@@ -124,8 +124,8 @@ class DecodeEngine(Speculating):
     def generate(self, prompt: Sequence[int], n: int, eos: int | None = None,
                  sampler: Sampler | None = None) -> list[int]:
         """The prompt after the state, then up to n generated tokens, all in one launch; stops after eos. Greedy,
-        or drawn at the sampler's temperature with its next n uniforms (a temperature alone: top_k and top_p
-        are drawn on the host, from logits)."""
+        or drawn at the sampler's temperature with its next n uniforms (a temperature alone: top_k and top_p take a
+        launch a token, lucegen.engine.generate's loop)."""
         if n < 1:
             raise ValueError(f"generate {n} tokens: at least one")
         if sampler is None or sampler.params.temperature == 0:
