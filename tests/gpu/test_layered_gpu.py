@@ -129,21 +129,25 @@ def test_greedy_tokens_equal_the_reference_on_a_peaked_gguf(tmp_path_factory):
     assert out == generate(ref, RATIO3_Q, prompt, 24)
 
 
+def after_a_prompt(engine: LayeredEngine, tokens, step) -> list:
+    """step(i, token) for each token after the first 4, one after another from the state of a 4-token prefill (the
+    state poisoned first): a device step and decode's, each from the same state."""
+    poison(engine)
+    engine.reset()
+    engine.prefill(tokens[:4])
+    out = [step(i, t) for i, t in enumerate(tokens[4:])]
+    assert engine.position == len(tokens)
+    return out
+
+
 def test_decode_argmax_is_the_argmax_of_decodes_logits(gguf):
     """decode_argmax (greedy generation's step: the device argmax, no logits to the host) takes decode's step: the
     same token as numpy's argmax of decode's logits, and the same state after it, step after step."""
     weights, _ = gguf
     engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
     tokens = [int(t) for t in np.random.default_rng(5).integers(0, RATIO3_Q.vocab_size, 24)]
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    want = [int(np.argmax(engine.decode(t))) for t in tokens[4:]]
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    assert [engine.decode_argmax(t) for t in tokens[4:]] == want
-    assert engine.position == len(tokens)
+    want = after_a_prompt(engine, tokens, lambda i, t: int(np.argmax(engine.decode(t))))
+    assert after_a_prompt(engine, tokens, lambda i, t: engine.decode_argmax(t)) == want
 
 
 def test_decode_sample_draws_from_decodes_logits(gguf):
@@ -154,17 +158,10 @@ def test_decode_sample_draws_from_decodes_logits(gguf):
     rng = np.random.default_rng(6)
     tokens = [int(t) for t in rng.integers(0, RATIO3_Q.vocab_size, 24)]
     u = rng.random(len(tokens))
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    want = [host_token(engine.decode(t), 0.8, u[i]) for i, t in enumerate(tokens[4:])]
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    for i, t in enumerate(tokens[4:]):
-        token, (host, margin) = engine.decode_sample(t, 0.8, u[i]), want[i]
+    want = after_a_prompt(engine, tokens, lambda i, t: host_token(engine.decode(t), 0.8, u[i]))
+    drawn = after_a_prompt(engine, tokens, lambda i, t: engine.decode_sample(t, 0.8, u[i]))
+    for i, (token, (host, margin)) in enumerate(zip(drawn, want)):
         assert token == host or margin <= 1e-12, f"step {i}: drew {token}, the host {host}"
-    assert engine.position == len(tokens)
 
 
 def test_decode_top_k_is_the_top_k_of_decodes_logits(gguf):
@@ -174,20 +171,13 @@ def test_decode_top_k_is_the_top_k_of_decodes_logits(gguf):
     weights, _ = gguf
     engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, RATIO3_Q.vocab_size, 16)]
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    rows = [engine.decode(t) for t in tokens[4:]]
-    poison(engine)
-    engine.reset()
-    engine.prefill(tokens[:4])
-    for t, row in zip(tokens[4:], rows):
-        ids, values = engine.decode_top_k(t, 21)
+    rows = after_a_prompt(engine, tokens, lambda i, t: engine.decode(t))
+    tops = after_a_prompt(engine, tokens, lambda i, t: (*engine.decode_top_k(t, 21), engine.step_logits()))
+    for row, (ids, values, logits) in zip(rows, tops):
         want_ids, want_values = topk.reference(row, 21)
         np.testing.assert_array_equal(ids, want_ids[0])
         assert (np.abs(values - want_values[0]) <= topk.logprob_tolerance(row, want_values)[0]).all()
-        np.testing.assert_array_equal(engine.step_logits(), row)
-    assert engine.position == len(tokens)
+        np.testing.assert_array_equal(logits, row)
 
 
 def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
