@@ -104,12 +104,9 @@ struct Segment {
     int k, r0, r1, tile_rows;
 };
 
-// This block's share [x, y) of n rows (n * gridDim.x < 2^32: 32-bit division). Layout.block_rows in
-// lucegen/kernels/megakernel.py is the same split.
-__device__ __forceinline__ int2 block_rows(int n) {
-    return make_int2(static_cast<int>(unsigned(n) * blockIdx.x / gridDim.x),
-                     static_cast<int>(unsigned(n) * (blockIdx.x + 1) / gridDim.x));
-}
+// This block's share [x, y) of n rows (sample.cuh's slice_of; n * gridDim.x < 2^32: 32-bit division).
+// Layout.block_rows in lucegen/kernels/megakernel.py is the same split.
+__device__ __forceinline__ int2 block_rows(int n) { return slice_of(n, blockIdx.x, gridDim.x); }
 
 // The first and the last block whose shares (block_rows) of n rows hold rows [r.x, r.y), r.x < r.y: row i is
 // block b's for the largest b with n b / gridDim.x <= i, i.e. n b < (i + 1) gridDim.x.

@@ -31,6 +31,7 @@ struct SoftmaxPart {
 template <int THREADS>
 constexpr int sample_scratch_bytes() { return 8 * (THREADS / 32) + 24; }
 
+// Block b's slice [n b / blocks, n (b + 1) / blocks) of n (n * blocks < 2^32: 32-bit division).
 __device__ __forceinline__ int2 slice_of(int n, int b, int blocks) {
     return make_int2(static_cast<int>(unsigned(n) * b / blocks), static_cast<int>(unsigned(n) * (b + 1) / blocks));
 }
