@@ -172,8 +172,9 @@ class LayeredHostKernel:
             logits, vocab, k, _, _, _, ids, logprobs = args
             topk_on_host(grid[1], logits, vocab, k, ids, logprobs)
         elif name == "sample_f32":
-            v, n, (inv_t, _), (u, _), out, _, _ = args
-            out.a[0] = sample.reference(v.a.reshape(-1)[:n], 1 / inv_t, u, grid[0])
+            v, n, (inv_t, _), (u, _), us, out, _, _ = args  # us: the rows' uniforms, or (0, c_void_p): u's
+            for r, row in enumerate(v.a.reshape(-1)[:grid[1] * n].reshape(grid[1], n)):
+                out.a[r] = sample.reference(row, 1 / inv_t, u if isinstance(us, tuple) else us.a[r], grid[0])
         elif name == "layered_embed":
             table, io, x = args
             m, V = grid[0], c.vocab_size
@@ -399,20 +400,33 @@ def plain_greedy(engine, prompt, n: int) -> list[int]:
     return out
 
 
-def assert_speculation_is_plain_greedy(engine, prompt, n: int, depth: int, budget: int, chain: bool,
-                                       seed: int) -> None:
-    """engine.speculate through its TreeVerifier with a noisy oracle draft of plain greedy decoding (accuracy 0.8)
-    gives exactly plain greedy decoding's n tokens, in fewer than 0.75 (n - 1) target passes."""
+def assert_speculation_is_plain_decoding(engine, prompt, n: int, depth: int, budget: int, seed: int,
+                                         chain: bool = False, params=None) -> None:
+    """The generation loop's n tokens (lucegen.engine.generate's) with engine.speculate rounds through its
+    TreeVerifier and a noisy oracle draft of them (accuracy 0.8) are its tokens without a draft, one decode step
+    each, in fewer than 0.75 (n - 1) rounds: greedy (params None), or drawn under `params` from the same seed (the
+    same uniform for each token, drawn from the same logits)."""
+    import itertools
+
+    from lucegen.engine.generate import _Tokens
     from lucegen.engine.layered_verify import TreeVerifier
     from lucegen.engine.sampling import Sampler, SamplingParams
     from lucegen.spec_decode import Speculation, oracle_draft
-    plain = plain_greedy(engine, prompt, n)
+    params = params or SamplingParams(temperature=0)
+
+    def tokens() -> tuple[list[int], int]:
+        engine.reset()
+        source = _Tokens(engine, Sampler(params), prompt, n)
+        return list(itertools.islice(source, n)), source.passes
+
+    engine.speculation = None
+    plain, _ = tokens()
+    if params.temperature == 0:
+        assert plain == plain_greedy(engine, prompt, n)
     draft = oracle_draft(plain, len(prompt), engine.config.vocab_size, accuracy=0.8, seed=seed)
     engine.speculation = Speculation(draft, depth=depth, budget=budget, chain=chain)
-    out, rounds, greedy = [int(np.argmax(after(engine, prompt)))], 0, Sampler(SamplingParams(temperature=0))
-    while len(out) < n:
-        out += engine.speculate([*prompt, *out], n - len(out), greedy)
-        rounds += 1
+    out, rounds = tokens()
+    engine.speculation = None
     assert isinstance(engine._verifier, TreeVerifier)
     assert out == plain
     assert rounds < (n - 1) * 0.75, f"{rounds} rounds for {n - 1} tokens: the draft's tokens were not accepted"

@@ -14,12 +14,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from lucegen.engine.base import ContextOverflow
 from lucegen.engine.layered import LayeredEngine
 from lucegen.engine.sampling import Sampler, SamplingParams
+from lucegen.kernels import argmax, sample, topk
 from lucegen.model.config import tiny_config
 from lucegen.reference import State, decode_step, random_weights, relative_error
 from lucegen.spec import load_spec
 from lucegen.spec_decode import Speculation, oracle_draft
 from lucegen.spec_decode.tree import ancestry
-from host_layered import after, assert_speculation_is_plain_greedy, layered_on_host, tree_case, trees
+from host_layered import after, assert_speculation_is_plain_decoding, layered_on_host, tree_case, trees
 
 CFG = tiny_config()
 SPEC = load_spec("h200")
@@ -74,6 +75,15 @@ def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, 
     assert len(rows) == len(parents)
     for n in np.random.default_rng(seed).permutation(len(parents)):
         np.testing.assert_array_equal(rows[n], logits[n], err_msg=f"node {n}")
+    uniforms = np.random.default_rng(seed).random(len(parents))  # a sampled round's pass at a temperature alone
+    np.testing.assert_array_equal(verifier.forward_drawn(tokens, parents, 0.7, uniforms),
+                                  [sample.reference(row, 0.7, u, argmax.blocks(SPEC))
+                                   for row, u in zip(logits, uniforms)])
+    ids, values, rows = verifier.forward_top_k(tokens, parents, 6)  # and under top_k
+    want_ids, want_values = topk.reference(logits, 6)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert (np.abs(values - want_values) <= topk.logprob_tolerance(logits, want_values)).all()
+    np.testing.assert_array_equal(rows[len(parents) - 1], logits[-1])
     verifier.free()
 
 
@@ -100,7 +110,20 @@ def test_a_commit_leaves_the_state_of_decoding_the_path(engine, parents, prefix,
 @pytest.mark.parametrize("chain", [False, True])
 def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(engine, chain):
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 5)]
-    assert_speculation_is_plain_greedy(engine, prompt, 24, depth=6, budget=12, chain=chain, seed=4)
+    assert_speculation_is_plain_decoding(engine, prompt, 24, depth=6, budget=12, chain=chain, seed=4)
+
+
+SAMPLED = {"temperature": SamplingParams(temperature=0.7, seed=5),
+           "top_k": SamplingParams(temperature=0.7, top_k=5, seed=6),
+           "top_p": SamplingParams(temperature=0.7, top_p=0.9, seed=7)}
+
+
+@pytest.mark.parametrize("law", SAMPLED)
+def test_sampled_speculative_generation_draws_plain_samplings_tokens(engine, law):
+    """Token for token from one seed: each round's draws (on the device, from the device's top_k + 1, or from the
+    walked rows) take the uniforms plain decoding takes, on logits equal to its bit for bit."""
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 5)]
+    assert_speculation_is_plain_decoding(engine, prompt, 24, depth=6, budget=12, seed=4, params=SAMPLED[law])
 
 
 def test_the_verifier_says_what_is_wrong(engine):
@@ -116,6 +139,8 @@ def test_the_verifier_says_what_is_wrong(engine):
         v.forward([1] * 66, [-1, *range(65)])
     with pytest.raises(ValueError, match="token ids"):
         v.forward([1, CFG.vocab_size], [-1, 0])
+    with pytest.raises(ValueError, match="3 nodes but 2 uniforms"):
+        v.forward_drawn([1, 2, 3], [-1, 0, 0], 0.7, [0.1, 0.2])
     v.forward([1, 2, 3], [-1, 0, 0])
     with pytest.raises(ValueError, match="not a child"):
         v.commit([0, 1, 2])

@@ -75,18 +75,31 @@ def test_a_top_k_draw_from_the_best_k_plus_one_is_the_rows(top_k, top_p):
         logits = (rng.standard_normal(1000) * 3).astype(np.float32)
         ids, values = topk.reference(logits, top_k + 1)
         a, b = Sampler(dataclasses.replace(params, seed=seed)), Sampler(dataclasses.replace(params, seed=seed))
-        assert a.draw_top_k(ids[0], values[0]) == b(logits)
+        assert a.draw_top_k(ids[0], values[0], row=lambda: pytest.fail("no tie: the row is not read")) == b(logits)
+        assert a.rng.bit_generator.state == b.rng.bit_generator.state
 
 
 def test_a_tie_at_the_kth_leaves_the_draw_to_the_whole_row():
     logits = np.array([0.0, 3.0, 1.0, 3.0, 1.0, -2.0], np.float32)  # the 3rd and 4th best tie (ids 2 and 4)
-    sampler = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0))
+    params = SamplingParams(temperature=1.0, top_k=3)
     ids, values = topk.reference(logits, 4)
-    state = sampler.rng.bit_generator.state
-    assert sampler.draw_top_k(ids[0], values[0]) is None
-    assert sampler.rng.bit_generator.state == state  # nothing drawn
+    for seed in range(20):
+        sampler, host = Sampler(dataclasses.replace(params, seed=seed)), Sampler(dataclasses.replace(params, seed=seed))
+        read = []
+        assert sampler.draw_top_k(ids[0], values[0], row=lambda: read.append(1) or logits) == host(logits)
+        assert read == [1]  # the row, once
     with pytest.raises(ValueError, match="takes the 4 best"):
-        sampler.draw_top_k(ids[0][:3], values[0][:3])
+        sampler.draw_top_k(ids[0][:3], values[0][:3], row=lambda: logits)
+
+
+def test_uniforms_ahead_are_the_next_draws_uniforms():
+    """uniforms_ahead(n) are the uniforms the next n draws take (one each), and leaves them there; skip(k) takes k."""
+    a, b = Sampler(SamplingParams(seed=11)), Sampler(SamplingParams(seed=11))
+    ahead = a.uniforms_ahead(6)
+    assert a.rng.bit_generator.state == b.rng.bit_generator.state
+    np.testing.assert_array_equal(ahead, [b.rng.random() for _ in range(6)])  # one draw's uniform at a time
+    a.skip(4)
+    assert a.rng.random() == ahead[4]
 
 
 class FlatEngine:

@@ -23,6 +23,7 @@ from lucegen.spec_decode import (
 from lucegen.engine.sampling import Sampler
 from lucegen.spec_decode.decode import ORACLE_TOP, ReferenceVerifier, speculative_round
 from lucegen.spec_decode.tree import TopK, top_k_ids
+from lucegen.kernels import sample, topk
 
 CFG = tiny_config()
 WEIGHTS = random_weights(CFG, seed=1)
@@ -114,23 +115,21 @@ def test_greedy_is_plain_greedy(draft, chain):
 
 
 class ArgmaxVerifier(ReferenceVerifier):
-    """The reference verifier with forward_argmax and forward_rows (as the GPU's TreeVerifier has): records which
-    pass each round took, and which nodes' logits forward_rows handed out."""
+    """The reference verifier with the passes the GPU's TreeVerifier has: forward_argmax, forward_drawn (the sample
+    kernel's reference), forward_top_k (topk's) and forward_rows. Records which pass each round took, and which
+    nodes' rows it handed out."""
+    max_top_k = 16
+
     def __init__(self, *args):
         super().__init__(*args)
         self.passes, self.rows_read = [], []
 
-    def forward(self, tokens, parents):
-        self.passes.append("logits")
+    def _pass(self, name, tokens, parents):
+        self.passes.append(name)
         return super().forward(tokens, parents)
 
-    def forward_argmax(self, tokens, parents):
-        self.passes.append("argmax")
-        return super().forward(tokens, parents).argmax(axis=-1)
-
-    def forward_rows(self, tokens, parents):
-        self.passes.append("rows")
-        logits, read = super().forward(tokens, parents), []
+    def _rows(self, logits, parents):
+        read = []
         self.rows_read.append((parents, read))
 
         class Rows:
@@ -139,30 +138,77 @@ class ArgmaxVerifier(ReferenceVerifier):
                 return logits[node]
         return Rows()
 
+    def forward(self, tokens, parents):
+        return self._pass("logits", tokens, parents)
 
-def rounds(verifier, temperature, tokens=24):
-    sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
+    def forward_argmax(self, tokens, parents):
+        return self._pass("argmax", tokens, parents).argmax(axis=-1)
+
+    def forward_drawn(self, tokens, parents, temperature, uniforms):
+        logits = self._pass("drawn", tokens, parents)
+        return [sample.reference(row, temperature, u, blocks=5) for row, u in zip(logits, uniforms)]
+
+    def forward_top_k(self, tokens, parents, k):
+        assert k <= self.max_top_k
+        logits = self._pass("top_k", tokens, parents)
+        return *topk.reference(logits.astype(np.float32), k), self._rows(logits, parents)
+
+    def forward_rows(self, tokens, parents):
+        return self._rows(self._pass("rows", tokens, parents), parents)
+
+
+def target_draft(context, n):
+    """The target's own log-probs along its greedy continuation of the context: a draft whose trees a sampled
+    target at a low temperature walks deep into."""
+    state, rows = State(), []
+    logits = prefill(WEIGHTS, CFG, context, state)[-1]
+    for _ in range(n):
+        rows.append(log_softmax(logits.astype(np.float64)))
+        logits = decode_step(WEIGHTS, CFG, int(logits.argmax()), state)
+    return np.array(rows).reshape(n, CFG.vocab_size)
+
+
+def rounds(verifier, params, tokens=24):
+    sampler = Sampler(params)
     out = [sampler(prefill(WEIGHTS, CFG, PROMPT, verifier.state)[-1])]
+    lengths = []
     while len(out) < tokens:
-        out += speculative_round(verifier, [*PROMPT, *out], 7, DRAFTS["noisy oracle"](), 8, sampler)
-    return out
+        new = speculative_round(verifier, [*PROMPT, *out], 7, target_draft, 8, sampler)
+        out += new
+        lengths.append(len(new))
+    return out, lengths
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_rounds_take_the_argmax_or_the_rows_pass(temperature):
-    """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and still give plain greedy
-    decoding's tokens; sampled rounds read the logits of their walk's nodes alone (each node once, a root-first
-    chain of the tree) and draw what they would from all N rows."""
+LAWS = {"greedy": (SamplingParams(temperature=0), "argmax"),
+        "temperature": (SamplingParams(temperature=0.2, seed=3), "drawn"),
+        "top_k": (SamplingParams(temperature=0.2, top_k=5, seed=3), "top_k"),
+        "top_k top_p": (SamplingParams(temperature=0.5, top_k=9, top_p=0.7, seed=4), "top_k"),
+        "top_k past the device's": (SamplingParams(temperature=0.2, top_k=16, seed=3), "rows"),
+        "top_p": (SamplingParams(temperature=0.2, top_p=0.9, seed=3), "rows")}
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_rounds_take_the_verifiers_pass_for_the_law_and_draw_the_hosts_tokens(law):
+    """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and give plain greedy
+    decoding's tokens. Sampled rounds draw the tokens that drawing every node from its whole row on the host
+    gives, from the same seed (the same uniforms, one a node walked): a temperature alone from the device's draws
+    (a node drawn with its depth's uniform), top_k from the device's k + 1 best a node, and other laws from the rows
+    of the walk's nodes alone (each node once, a root-first chain of the tree)."""
+    params, expected = LAWS[law]
     verifier = ArgmaxVerifier(WEIGHTS, CFG, State())
-    out = rounds(verifier, temperature)
-    assert set(verifier.passes) == {"argmax" if temperature == 0 else "rows"}
-    if temperature == 0:
+    out, lengths = rounds(verifier, params)
+    assert set(verifier.passes) == {expected}
+    if params.temperature == 0:
         assert out[:24] == REF[:24]
         return
-    assert out == rounds(ReferenceVerifier(WEIGHTS, CFG, State()), temperature)
+    assert max(lengths) > 2  # paths past depth 1 were walked
+    assert (out, lengths) == rounds(ReferenceVerifier(WEIGHTS, CFG, State()), params)
     for parents, read in verifier.rows_read:
-        assert read[0] == 0 and len(set(read)) == len(read)
-        assert all(parents[b] == a for a, b in zip(read, read[1:])), (parents, read)
+        if expected == "rows":
+            assert read[0] == 0 and len(set(read)) == len(read)
+            assert all(parents[b] == a for a, b in zip(read, read[1:])), (parents, read)
+        else:
+            assert read == []  # no tie at the k-th: no row
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9, 17])

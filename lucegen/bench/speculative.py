@@ -13,7 +13,9 @@
     verify   engines with a verifier() (the cuda ones): its target pass over a DDTree of each budget (the noisy
              oracle's tree), logits on the host included, against one decode step (spec_verify_ms per budget;
              the spec's DDTree budget among them), and where the verifier has it the pass greedy rounds make,
-             argmax ids to the host instead (spec_verify_greedy_ms); for the whole-tree verifier (TreeVerifier)
+             argmax ids to the host instead (spec_verify_greedy_ms), and the pass sampled rounds make, every node
+             drawn on the device (spec_verify_sampled_ms; at budget 16 also drawn on the host along an accepted
+             path of up to 8 instead: host_drawn_ms); for the whole-tree verifier (TreeVerifier)
              each kernel kind's time in that pass at BREAKDOWN_BUDGETS, timed launch by launch
              (verify_kernel_us_<kind>)
     draft    a cuda LayeredEngine whose target the bundled DFlash draft config fits (the 27B): the GPU draft's
@@ -31,6 +33,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..engine.generate import Generation, generate
 from ..engine.loader import model_name
@@ -55,6 +59,9 @@ TOKENS = 64
 BUDGET = DDTreeTuning.budget  # the specs' default
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 GREEDY = SamplingParams(temperature=0)
+SAMPLED_TEMPERATURE = 0.8  # the sampled rounds' verify pass (spec_verify_sampled_ms)
+SAMPLED_PATH = 9           # nodes a sampled round drawing on the host draws (accepted length 8 + the bonus)
+SAMPLED_HOST_BUDGET = 16   # the tree whose sampled pass is also timed drawing on the host
 
 
 def sweep_draft(target: Sequence[int], prompt_len: int, vocab: int) -> DraftFn:
@@ -154,13 +161,15 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
         engine.prefill(prompt_ids)
         context = [*prompt_ids, target[0]]
         logprobs = sweep_draft(target, len(prompt_ids), engine.config.vocab_size)(context, DEPTH)
-        times, greedy = {}, {}
+        times, greedy, sampled = {}, {}, {}
         for b in fitting(engine, budgets):
             tree = build_tree(logprobs, b, root=context[-1])
             verifier.forward(tree.tokens, tree.parents)  # warm-up: graph capture on first use of a shape
             times[b] = (len(tree.tokens), host_median_ms(lambda: verifier.forward(tree.tokens, tree.parents), repeat))
             if hasattr(verifier, "forward_argmax"):  # the pass a greedy round makes: N ids to the host
                 greedy[b] = host_median_ms(lambda: verifier.forward_argmax(tree.tokens, tree.parents), repeat)
+            if hasattr(verifier, "forward_drawn"):  # a sampled round's: every node drawn on the device
+                sampled[b] = sampled_passes(verifier, tree, repeat, host=b == SAMPLED_HOST_BUDGET)
             if b in BREAKDOWN_BUDGETS:
                 verify_kernels(rec, verifier, name, b, times[b][1])
         step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
@@ -174,8 +183,35 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
             rec.record("spec_verify_greedy_ms", name, greedy[b], "ms", step_ms, budget=b, nodes=nodes,
                        verifier=type(verifier).__name__)
             line += f"; greedy (argmax ids to the host) {greedy[b]:.2f} ms"
+        if b in sampled:
+            device_ms, host_ms, path = sampled[b]
+            rec.record("spec_verify_sampled_ms", name, device_ms, "ms", step_ms, budget=b, nodes=nodes,
+                       temperature=SAMPLED_TEMPERATURE, host_drawn_ms=host_ms, host_path=path)
+            line += f"; sampled (drawn on the device) {device_ms:.2f} ms"
+            if host_ms is not None:
+                line += f", drawn on the host along a path of {path} nodes {host_ms:.2f} ms"
         print(line)
     return {b: greedy.get(b, ms) for b, (_, ms) in times.items()}, step_ms
+
+
+def sampled_passes(verifier, tree, repeat: int, host: bool) -> tuple[float, float | None, int | None]:
+    """ms of the pass a sampled round at a temperature alone makes (forward_drawn: every node drawn on the device
+    with its uniform, N ids to the host) and, where `host`, of the same round drawing on the host instead: the rows
+    of a root-first path of up to SAMPLED_PATH nodes (an accepted length of SAMPLED_PATH - 1) copied and drawn
+    there; and that path's length."""
+    uniforms = np.random.default_rng(0).random(len(tree.tokens))
+    device = host_median_ms(lambda: verifier.forward_drawn(tree.tokens, tree.parents, SAMPLED_TEMPERATURE, uniforms),
+                            repeat)
+    if not host:
+        return device, None, None
+    path = tree.path(int(np.argmax(tree.depths)))[:SAMPLED_PATH]
+    sampler = Sampler(SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=0))
+
+    def on_host():
+        rows = verifier.forward_rows(tree.tokens, tree.parents)
+        for node in path:
+            sampler(rows[node])
+    return device, host_median_ms(on_host, repeat), len(path)
 
 
 def verify_kernels(rec: Recorder, verifier, name: str, budget: int, ms: float) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..model.tokenizer import Tokenizer
 from .base import ContextOverflow, Engine
-from .sampling import Sampler, SamplingParams, drawn_on_device
+from .sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device
 
 
 @dataclass
@@ -120,11 +120,10 @@ class _Tokens:
             on_device = getattr(engine, "decode_argmax", None)
         elif drawn_on_device(params) and (draw := getattr(engine, "decode_sample", None)):
             on_device = lambda token: draw(token, params.temperature, sampler.rng.random())
-        elif (top := getattr(engine, "decode_top_k", None)) and 0 < params.top_k < min(engine.max_top_k,
-                                                                                      engine.config.vocab_size):
+        elif (top := getattr(engine, "decode_top_k", None)) and top_k_on_device(
+                params, min(engine.max_top_k, engine.config.vocab_size)):
             def on_device(token: int) -> int:  # the k + 1 best from the device; the whole row only on a tie
-                drawn = sampler.draw_top_k(*top(token, params.top_k + 1))
-                return drawn if drawn is not None else sampler(engine.step_logits())
+                return sampler.draw_top_k(*top(token, params.top_k + 1), engine.step_logits)
         step = on_device or (lambda token: sampler(engine.decode(token)))
         out = [sampler(engine.prefill(self.prompt_ids))]
         yield out[0]

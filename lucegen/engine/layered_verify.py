@@ -109,8 +109,35 @@ class TreeVerifier:
         n = self._run(tokens, parents)
         return self.step.tokens.view(n).numpy()
 
-    def _run(self, tokens: Sequence[int], parents: Sequence[int]) -> int:
-        """The tree's pass (one graph launch), waited for; returns its node count."""
+    def forward_drawn(self, tokens: Sequence[int], parents: Sequence[int], temperature: float,
+                      uniforms: Sequence[float]) -> np.ndarray:
+        """forward's pass, then node n's token drawn from its logits at the temperature with uniforms[n] (the
+        sample kernel, one launch for every node: Sampler's law for the same uniform) [N]: what a sampled round at
+        a temperature alone walks."""
+        s, V = self.step, self.step.cfg.vocab_size
+        if len(uniforms) != len(tokens):
+            raise ValueError(f"tree verify: {len(tokens)} nodes but {len(uniforms)} uniforms")
+        n = self._run(tokens, parents, then=lambda n: s.sample(s.logits.view(n * V), temperature, uniforms,
+                                                               stream=s.stream))
+        return s.sample.out.view(n).numpy()
+
+    @property
+    def max_top_k(self) -> int:
+        """The most best tokens forward_top_k finds a node (tuning.topk.max_k, or the vocabulary if smaller)."""
+        return min(self.step.top_k.max_k, self.step.cfg.vocab_size)
+
+    def forward_top_k(self, tokens: Sequence[int], parents: Sequence[int], k: int
+                      ) -> tuple[np.ndarray, np.ndarray, NodeLogits]:
+        """forward's pass, then each node's k best tokens (best first, ties to the lower id) and their log-softmax
+        values [N, k] (the topk kernel over every node's row), with the rows left on the device for the draws that
+        need them (a tie at the k-th): what a sampled round under top_k walks."""
+        s, V = self.step, self.step.cfg.vocab_size
+        found = []
+        n = self._run(tokens, parents, then=lambda n: found.extend(s.top_k(s.logits, n, V, k, stream=s.stream)))
+        return found[0].numpy(), found[1].numpy(), NodeLogits(s.logits, n, V)
+
+    def _run(self, tokens: Sequence[int], parents: Sequence[int], then=None) -> int:
+        """The tree's pass (one graph launch), then(n) enqueued after it, waited for; returns its node count."""
         s, n = self.step, len(tokens)
         if len(parents) != n:
             raise ValueError(f"tree verify: {n} tokens but {len(parents)} parents")
@@ -121,6 +148,8 @@ class TreeVerifier:
         t = self.mixer.tree = s.tree.tree(parents, stream=s.stream)  # in order with the launches on the stream
         s.upload(ids)
         s.replay((self, "tree", n, t.levels), lambda stream: s.enqueue(n, stream, self.mixer))
+        if then is not None:
+            then(n)
         s.wait()
         return n
 

@@ -6,6 +6,7 @@ tokens against exactly the distribution plain sampling draws from.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,13 @@ def drawn_on_device(params: SamplingParams) -> bool:
     """Whether the GPU engines draw this law's tokens on the device (kernels/sample.py: a temperature alone, with
     the request's uniforms); the others are drawn here from the logits."""
     return params.temperature > 0 and params.top_k == 0 and params.top_p == 1
+
+
+def top_k_on_device(params: SamplingParams, most: int) -> bool:
+    """Whether the GPU engines draw this top_k law's tokens from the device's top_k + 1 best of a row
+    (kernels/topk.py, `most` at most: the engine's tuning.topk.max_k, or the vocabulary if smaller) and
+    Sampler.draw_top_k; the whole row only on a tie at the k-th."""
+    return params.temperature > 0 and 0 < params.top_k < most
 
 
 def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -115,17 +123,29 @@ class Sampler:
         token = self.draw(probs)
         return token if ids is None else int(ids[token])
 
-    def draw_top_k(self, ids: np.ndarray, values: np.ndarray) -> int | None:
+    def draw_top_k(self, ids: np.ndarray, values: np.ndarray, row: Callable[[], np.ndarray]) -> int:
         """The draw of a top_k law from the top_k + 1 best tokens of a row (ids best first, and their logits or any
-        shift of them: the device's log-softmax values), as __call__ draws it from the row: None, drawing nothing,
-        where the (k + 1)-th ties the k-th (the law keeps every tie, so the caller draws from the whole row)."""
+        shift of them: the device's log-softmax values), as __call__ draws it from the row; where the (k + 1)-th
+        ties the k-th (the law keeps every tie) from the whole row, row()."""
         k = self.params.top_k
         if len(ids) != k + 1:
             raise ValueError(f"a top_k {k} draw takes the {k + 1} best tokens, got {len(ids)}")
         if values[k] == values[k - 1]:
-            return None
+            return self(row())
         order = np.argsort(ids[:k])
         return self.draw_among(np.asarray(ids[:k])[order], np.asarray(values[:k])[order])
+
+    def uniforms_ahead(self, n: int) -> np.ndarray:
+        """The uniforms of the next n draws (each draw takes one, in order), without taking them: a speculative
+        round draws every node of a depth with that depth's, then skip()s the ones its walk took."""
+        state = self.rng.bit_generator.state
+        us = self.rng.random(n)
+        self.rng.bit_generator.state = state
+        return us
+
+    def skip(self, n: int) -> None:
+        """Take the uniforms of n draws made elsewhere (on the device, from uniforms_ahead)."""
+        self.rng.random(n)
 
     def draw(self, probs: np.ndarray) -> int:
         """numpy's Generator.choice(probs.size, p=probs), step for step (the running sums, scaled by the last, and

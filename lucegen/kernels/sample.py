@@ -62,22 +62,48 @@ def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
 
 
 class Sample:
-    """v (fp32 [n]) -> out (int32 [1]): the token drawn with u at a temperature, in one launch. Owns the blocks'
-    parts and the self-resetting ticket."""
+    """Rows of v (fp32 [rows, n]) -> out (int32 [rows]): row r's token drawn with its own uniform at one
+    temperature, in one launch. Owns the blocks' parts, the self-resetting tickets (one a row), the uniforms' device
+    copy and `out`; they grow on demand, so a CUDA graph that captures a call must be preceded by `reserve` (or a
+    call) of at least its rows."""
 
-    def __init__(self, module, spec: ChipSpec):
+    def __init__(self, module, spec: ChipSpec, rows: int = 1):
         self.kernel = module.kernel("sample_f32")
         self.threads, self.blocks = spec.tuning.argmax.threads, argmax.blocks(spec)
-        self.parts = DeviceArray.empty(self.blocks * PART_BYTES, np.uint8)
-        self.ticket = DeviceArray.zeros(1, np.uint32)
-        self.out = DeviceArray.empty(1, np.int32)
+        self._rows = 0
+        self.parts = self.ticket = self.out = self.uniforms = None
+        self.reserve(rows)
 
-    def __call__(self, v: DeviceArray, temperature: float, u: float, stream=None) -> None:
-        if not temperature > 0 or not 0 <= u < 1:
-            raise ValueError(f"a draw at temperature {temperature} (> 0) with u {u} (in [0, 1))")
-        self.kernel(self.blocks, self.threads, v, v.size, (1.0 / temperature, ctypes.c_double), (u, ctypes.c_double),
-                    self.out, self.parts, self.ticket, stream=stream)
+    def reserve(self, rows: int) -> None:
+        """Room for draws from up to `rows` rows at once (allocates only if it grows)."""
+        if rows <= self._rows:
+            return
+        self.free()
+        self.parts = DeviceArray.empty(rows * self.blocks * PART_BYTES, np.uint8)
+        self.ticket = DeviceArray.zeros(rows, np.uint32)
+        self.out = DeviceArray.empty(rows, np.int32)
+        self.uniforms = DeviceArray.empty(rows, np.float64)
+        self._rows = rows
+
+    def __call__(self, v: DeviceArray, temperature: float, u, stream=None) -> None:
+        """u: a uniform in [0, 1) (v is one row), or one a row (a sequence: v holds len(u) rows of equal length),
+        uploaded on `stream` before the launch."""
+        many = np.ndim(u) > 0
+        us = np.asarray(u, np.float64).reshape(-1)
+        rows = us.size
+        if not temperature > 0 or rows == 0 or not np.all((us >= 0) & (us < 1)):
+            raise ValueError(f"a draw at temperature {temperature} (> 0) with uniforms {us} (in [0, 1))")
+        if v.size % rows:
+            raise ValueError(f"{v.size} logits are not {rows} rows of equal length")
+        self.reserve(rows)
+        if many:
+            self._host_uniforms = us  # alive until the copy ran
+            self.uniforms.view(rows).copy_from(us, stream=stream)
+        self.kernel((self.blocks, rows), self.threads, v, v.size // rows, (1.0 / temperature, ctypes.c_double),
+                    (float(us[0]) if not many else 0.0, ctypes.c_double),
+                    self.uniforms if many else (0, ctypes.c_void_p), self.out, self.parts, self.ticket, stream=stream)
 
     def free(self) -> None:
-        for a in (self.parts, self.ticket, self.out):
-            a.free()
+        for a in (self.parts, self.ticket, self.out, self.uniforms):
+            if a is not None:
+                a.free()

@@ -11,11 +11,11 @@ from typing import Protocol
 
 import numpy as np
 
-from lucegen.engine.sampling import Sampler, SamplingParams
+from lucegen.engine.sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device
 from lucegen.model.config import ModelConfig
 from lucegen.reference.model import State, Weights, prefill
 from lucegen.spec_decode.accept import chosen, commit, walk
-from lucegen.spec_decode.tree import TopK, build_tree
+from lucegen.spec_decode.tree import TopK, Tree, build_tree
 from lucegen.spec_decode.verify import tree_forward
 
 DraftFn = Callable[[Sequence[int], int], "np.ndarray | TopK"]
@@ -44,10 +44,12 @@ class Speculation:
 class Verifier(Protocol):
     """One target pass over a tree after a committed state, then the commit of an accepted path (root first).
     ReferenceVerifier (numpy) and lucegen.spec_decode.device.NodeVerifier (a GPU engine) implement it. A verifier
-    may also have forward_argmax(tokens, parents) -> the argmax of each node's logits [N] (numpy's rule: the lowest
-    index on ties), which greedy rounds use instead of copying N x vocab logits to the host, and forward_rows(tokens,
-    parents) -> rows with rows[node] that node's logits [vocab], copied when asked for, which sampled rounds use (the
-    walk reads its path's nodes only)."""
+    may also have the passes verified_walk takes instead of copying N x vocab logits to the host:
+    forward_argmax(tokens, parents) -> the argmax of each node's logits [N] (numpy's rule: the lowest index on ties);
+    forward_drawn(tokens, parents, temperature, uniforms) -> the token drawn from each node's row at the temperature
+    with its uniform [N] (Sampler's law); forward_top_k(tokens, parents, k) -> (ids [N, k] best first, log-softmax
+    values [N, k], rows) for k <= max_top_k; forward_rows(tokens, parents) -> rows, with rows[node] that node's
+    logits [vocab], copied when asked for (the walk reads its path's nodes only)."""
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
 
@@ -74,14 +76,37 @@ def speculative_round(verifier: Verifier, context_ids: Sequence[int], n: int, dr
     positions, one target pass over the tree, the walk, the commit of the accepted path. Returns the new tokens
     (the accepted draft tokens, then the bonus token, the next root)."""
     tree = build_tree(draft_fn(context_ids, n), budget, root=context_ids[-1], top_k=1 if chain else None)
-    if sampler.params.temperature == 0 and hasattr(verifier, "forward_argmax"):  # greedy: N ids, not N x vocab
-        ids = verifier.forward_argmax(tree.tokens, tree.parents)
-        accepted, bonus = walk(tree, lambda node: int(ids[node]))
-    else:
-        forward = getattr(verifier, "forward_rows", verifier.forward)
-        accepted, bonus = walk(tree, chosen(forward(tree.tokens, tree.parents), sampler))
+    accepted, bonus = verified_walk(verifier, tree, sampler)
     verifier.commit(accepted)
     return [tree.tokens[a] for a in accepted[1:]] + [bonus]
+
+
+def verified_walk(verifier: Verifier, tree: Tree, sampler: Sampler) -> tuple[list[int], int]:
+    """The target pass over the tree and the walk (accept.walk) of the target's tokens, through the cheapest pass
+    the verifier has for the sampler's law (none copies N x vocab logits to the host):
+      greedy           forward_argmax: the argmax of every node;
+      temperature      forward_drawn: every node drawn on the device with the uniform of its depth. The walk
+                       visits one node a depth, root first, and the host would draw each with the sampler's next
+                       uniform: the same uniform, so the same token; the sampler then skips the uniforms the walk
+                       took;
+      top_k            forward_top_k: each node's top_k + 1 best, which the sampler draws from (its row only on a
+                       tie at the k-th);
+      else             forward_rows: the rows of the nodes the walk visits (forward: all of them), drawn here."""
+    p, tokens, parents = sampler.params, tree.tokens, tree.parents
+    if p.temperature == 0 and hasattr(verifier, "forward_argmax"):
+        ids = verifier.forward_argmax(tokens, parents)
+        return walk(tree, lambda node: int(ids[node]))
+    if drawn_on_device(p) and hasattr(verifier, "forward_drawn"):
+        uniforms = sampler.uniforms_ahead(max(tree.depths) + 1)
+        ids = verifier.forward_drawn(tokens, parents, p.temperature, uniforms[tree.depths])
+        accepted, bonus = walk(tree, lambda node: int(ids[node]))
+        sampler.skip(len(accepted))  # one draw a node visited
+        return accepted, bonus
+    if hasattr(verifier, "forward_top_k") and top_k_on_device(p, verifier.max_top_k):
+        ids, values, rows = verifier.forward_top_k(tokens, parents, p.top_k + 1)
+        return walk(tree, lambda node: sampler.draw_top_k(ids[node], values[node], lambda: rows[node]))
+    forward = getattr(verifier, "forward_rows", verifier.forward)
+    return walk(tree, chosen(forward(tokens, parents), sampler))
 
 
 def speculative_generate(weights: Weights, cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int,

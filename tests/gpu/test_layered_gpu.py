@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from lucegen.engine.layered import LayeredEngine
+from lucegen.engine.sampling import SamplingParams
 from lucegen.kernels import layered, qgemv, topk
 from lucegen.model.checkpoint import make_checkpoint
 from lucegen.model.config import tiny_config
@@ -40,7 +41,7 @@ from lucegen.spec_decode.tree import ancestry
 
 from xblocks import assert_xblocks_of
 from test_sample import host_token
-from host_layered import RATIO3_Q, after, assert_speculation_is_plain_greedy, checkpoint, unquantized
+from host_layered import RATIO3_Q, after, assert_speculation_is_plain_decoding, checkpoint, unquantized
 
 pytestmark = pytest.mark.gpu
 STEP_RTOL = 1e-2
@@ -283,7 +284,6 @@ def test_the_cuda_backend_runs_a_gguf_through_the_step(tmp_path):
     generates the reference's greedy tokens."""
     from lucegen.engine.generate import generate as generate_text
     from lucegen.engine.loader import load_model
-    from lucegen.engine.sampling import SamplingParams
     paths = make_checkpoint(tmp_path, RATIO3_Q, seed=5, peaked=True, progress=False)  # HF (tokenizer) + GGUF
     engine, tokenizer = load_model(paths["gguf"], backend="cuda")
     assert isinstance(engine, LayeredEngine)
@@ -337,6 +337,17 @@ def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(ggu
     rows = verifier.forward_rows(tokens, parents)  # a sampled round's pass: the rows copied one by one
     for n in rng.permutation(len(parents)):
         np.testing.assert_array_equal(rows[n], logits[n], err_msg=f"node {n} (parents {parents})")
+    verifier.step.sample.out.fill_bytes(0xFF)  # a temperature's pass: every node drawn on the device, its own uniform
+    uniforms = rng.random(len(parents))
+    drawn = verifier.forward_drawn(tokens, parents, 0.8, uniforms)
+    for n, u in enumerate(uniforms):
+        want, margin = host_token(logits[n], 0.8, u)
+        assert drawn[n] == want or margin <= 1e-12, f"node {n}: drew {drawn[n]}, the host {want}"
+    ids, values, rows = verifier.forward_top_k(tokens, parents, 21)  # top_k's pass: each node's k + 1 best
+    want_ids, want_values = topk.reference(logits, 21)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert (np.abs(values - want_values) <= topk.logprob_tolerance(logits, want_values)).all()
+    np.testing.assert_array_equal(rows[len(parents) - 1], logits[-1])
 
 
 @pytest.mark.parametrize("path", [[0], [0, 1, 3, 5, 11], [0, 2, 6, 7, 8], [0, 9]])
@@ -370,8 +381,25 @@ def test_greedy_speculative_generation_with_an_oracle_draft_is_plain_greedy(tmp_
     weights, _ = checkpoint(tmp_path_factory, "gguf", peaked=True)
     engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
     prompt = [int(t) for t in np.random.default_rng(10).integers(0, RATIO3_Q.vocab_size, 9)]
-    assert_speculation_is_plain_greedy(engine, prompt, 48, depth=7, chain=chain, seed=3,
+    assert_speculation_is_plain_decoding(engine, prompt, 48, depth=7, chain=chain, seed=3,
                                        budget=min(budget, engine.spec.tuning.ddtree.budget))
+
+
+SAMPLED = {"temperature": SamplingParams(temperature=0.7, seed=5),
+           "top_k": SamplingParams(temperature=0.7, top_k=20, seed=6),
+           "top_p": SamplingParams(temperature=0.7, top_p=0.9, seed=7)}
+
+
+@pytest.mark.parametrize("law", SAMPLED)
+def test_sampled_speculative_generation_draws_plain_samplings_tokens(tmp_path_factory, law):
+    """The generation loop with speculation draws plain sampling's tokens from one seed, token for token: each
+    round's draws (every node on the device with its depth's uniform, from the device's top_k + 1 best, or from the
+    walked rows on the host) take the uniforms plain decoding takes, on logits equal to its bit for bit."""
+    weights, _ = checkpoint(tmp_path_factory, "gguf", peaked=True)
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, RATIO3_Q.vocab_size, 9)]
+    assert_speculation_is_plain_decoding(engine, prompt, 48, depth=7, seed=3, params=SAMPLED[law],
+                                         budget=engine.spec.tuning.ddtree.budget)
 
 
 def test_with_q4_k_on_tensor_cores_a_verify_is_decoding_and_speculation_is_plain_greedy(tmp_path_factory):
@@ -394,5 +422,5 @@ def test_with_q4_k_on_tensor_cores_a_verify_is_decoding_and_speculation_is_plain
     for n in range(len(TREE)):
         np.testing.assert_array_equal(logits[n], after(engine, context, tokens[ancestry(TREE, n)]), err_msg=f"node {n}")
     prompt = [int(t) for t in rng.integers(0, RATIO3_Q.vocab_size, 9)]
-    assert_speculation_is_plain_greedy(engine, prompt, 40, depth=7, chain=False, seed=4,
+    assert_speculation_is_plain_decoding(engine, prompt, 40, depth=7, chain=False, seed=4,
                                        budget=spec.tuning.ddtree.budget)

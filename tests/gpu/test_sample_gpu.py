@@ -1,5 +1,5 @@
-"""The device draw (templates/sample.cuh, one launch a row) against the host's law on fresh rows: the token
-Sampler.draw takes for the same uniform (filtered_probs at the temperature, the first token whose running sum
+"""The device draw (templates/sample.cuh, one launch for a row or many) against the host's law on fresh rows: the
+token Sampler.draw takes for the same uniform (filtered_probs at the temperature, the first token whose running sum
 passes u), wherever u is not within rounding of a boundary between two tokens. The output is poisoned before
 every launch."""
 from __future__ import annotations
@@ -48,3 +48,22 @@ def test_a_draw_is_the_hosts_token_for_the_same_uniform(kernel, n, temperature):
         row.free()
     assert checked >= 60
     assert not op.ticket.numpy().any()  # left at zero for the next launch
+
+
+@pytest.mark.parametrize("rows,n", [(23, 248_320), (65, 1_000)])
+def test_rows_are_drawn_each_with_its_own_uniform(kernel, rows, n):
+    """One launch over the rows of a tree verify's logits (a uniform a row): each row's token is the host's."""
+    op, blocks = kernel
+    rng = np.random.default_rng([rows, n])
+    logits = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    uniforms = rng.random(rows)
+    v = DeviceArray.from_numpy(logits)
+    op.reserve(rows)
+    op.out.fill_bytes(0xFF)
+    op(v, 0.8, uniforms)
+    drawn = op.out.numpy()[:rows]
+    for r in range(rows):
+        want, margin = host_token(logits[r], 0.8, uniforms[r])
+        assert drawn[r] == want or margin <= MARGIN, f"row {r}: drew {drawn[r]}, the host {want}"
+    assert not op.ticket.numpy().any()
+    v.free()
