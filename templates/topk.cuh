@@ -150,10 +150,12 @@ struct TopKShape {
 };
 
 // logits: fp32 [n, vocab]; 1 <= k <= KMAX, k <= vocab. lists: KMAX entries per (row, block); stats: (m_b, s_b) per
-// (row, block); tickets: n zero-initialised counters that the kernel leaves at zero. ids, logprobs: [n, k].
+// (row, block); tickets: n zero-initialised counters that the kernel leaves at zero. ids, logprobs: [n, k]; where
+// given, values: [n, k], the logits themselves.
 template <int THREADS, int SLICE, int KMAX>
 __device__ void topk_f32(const float* __restrict__ logits, int vocab, int k, TopKEntry* lists, float2* stats,
-                         unsigned* tickets, int* __restrict__ ids, float* __restrict__ logprobs) {
+                         unsigned* tickets, int* __restrict__ ids, float* __restrict__ logprobs,
+                         float* __restrict__ values) {
     using S = TopKShape<THREADS, SLICE, KMAX>;
     constexpr int PER = S::PER, GT = S::GROUP_THREADS, E = S::E, WARPS = S::WARPS;
     __shared__ TopKEntry cand[S::CAP];
@@ -297,6 +299,7 @@ __device__ void topk_f32(const float* __restrict__ logits, int vocab, int k, Top
             if (i < k) {
                 ids[out + i] = static_cast<int>(r[e].id);
                 logprobs[out + i] = topk_value(r[e].key) - lse;
+                if (values) values[out + i] = topk_value(r[e].key);
             }
         }
     }

@@ -127,8 +127,8 @@ class TopKHostKernel:
     """topk_f32 by its numpy reference (topk.reference) on the launch's logits; its outputs written as the kernel
     writes them."""
 
-    def __call__(self, grid, block, logits, vocab, k, lists, stats, tickets, ids, logprobs, stream=None):
-        topk_on_host(grid[1], logits, vocab, k, ids, logprobs)
+    def __call__(self, grid, block, logits, vocab, k, lists, stats, tickets, ids, logprobs, values, stream=None):
+        topk_on_host(grid[1], logits, vocab, k, ids, logprobs, values)
 
 
 @contextlib.contextmanager

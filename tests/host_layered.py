@@ -120,12 +120,15 @@ def parents_of_depths(depth: np.ndarray) -> list[int]:
     return parents
 
 
-def topk_on_host(n: int, logits, vocab: int, k: int, ids, logprobs) -> None:
+def topk_on_host(n: int, logits, vocab: int, k: int, ids, logprobs, values) -> None:
     """topk_f32 by its numpy reference (topk.reference) on n rows of the launch's logits; its outputs written as the
-    kernel writes them."""
-    ref_ids, ref_lp = topk.reference(logits.a.reshape(-1)[:n * vocab].reshape(n, vocab), k)
+    kernel writes them (values: the logits themselves, or (0, c_void_p) for none)."""
+    rows = logits.a.reshape(-1)[:n * vocab].reshape(n, vocab)
+    ref_ids, ref_lp = topk.reference(rows, k)
     ids.a.reshape(-1)[:n * k] = ref_ids.reshape(-1)
     logprobs.a.reshape(-1)[:n * k] = ref_lp.reshape(-1)
+    if not isinstance(values, tuple):
+        values.a.reshape(-1)[:n * k] = np.take_along_axis(rows, ref_ids, axis=1).reshape(-1)
 
 
 class LayeredHostKernel:
@@ -169,12 +172,17 @@ class LayeredHostKernel:
             rows = grid[1] if len(grid) > 1 else 1
             out.a[:rows] = np.argmax(v.a.reshape(-1)[:rows * n].reshape(rows, n), axis=1)
         elif name == "topk_f32":
-            logits, vocab, k, _, _, _, ids, logprobs = args
-            topk_on_host(grid[1], logits, vocab, k, ids, logprobs)
+            logits, vocab, k, _, _, _, ids, logprobs, values = args
+            topk_on_host(grid[1], logits, vocab, k, ids, logprobs, values)
         elif name == "sample_f32":
-            v, n, (inv_t, _), (u, _), us, out, _, _ = args  # us: the rows' uniforms, or (0, c_void_p): u's
-            for r, row in enumerate(v.a.reshape(-1)[:grid[1] * n].reshape(grid[1], n)):
-                out.a[r] = sample.reference(row, 1 / inv_t, u if isinstance(us, tuple) else us.a[r], grid[0])
+            v, n, (inv_t, _), (u, _), us, out, parts, _ = args  # us: the rows' uniforms, or (0, c_void_p): u's
+            blocks, rows = grid
+            records = parts.a.reshape(-1)[:rows * blocks * sample.PART_BYTES].view(sample.PART_DTYPE)
+            for r, row in enumerate(v.a.reshape(-1)[:rows * n].reshape(rows, n)):
+                mine = records[r * blocks:(r + 1) * blocks]
+                mine["sum"], mine["max"] = sample.parts(row, 1 / inv_t, blocks)
+                ur = u if isinstance(us, tuple) else us.a[r]
+                out.a[r] = -1 if ur < 0 else sample.reference(row, 1 / inv_t, ur, blocks)
         elif name == "layered_embed":
             table, io, x = args
             m, V = grid[0], c.vocab_size

@@ -84,6 +84,11 @@ def test_a_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(engine, 
     np.testing.assert_array_equal(ids, want_ids)
     assert (np.abs(values - want_values) <= topk.logprob_tolerance(logits, want_values)).all()
     np.testing.assert_array_equal(rows[len(parents) - 1], logits[-1])
+    ids, values, softmax, rows = verifier.forward_top_p(tokens, parents, 0.7, 6)  # and under top_p alone
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(values, np.take_along_axis(logits, want_ids, axis=1))
+    for n, (zmax, total) in enumerate(softmax):
+        assert (zmax, total) == sample.softmax_of(*sample.parts(logits[n], 0.7, argmax.blocks(SPEC)), 0.7)
     verifier.free()
 
 

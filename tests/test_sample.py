@@ -102,10 +102,39 @@ def test_uniforms_ahead_are_the_next_draws_uniforms():
     assert a.rng.random() == ahead[4]
 
 
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 0.8), (1.0, 0.5), (0.3, 0.95)])
+def test_a_top_p_draw_from_the_best_and_the_rows_softmax_is_the_rows(temperature, top_p):
+    """Sampler.draw_top_p on the device's 64 best (topk.reference: ids, and their logits) and the row's softmax at
+    the temperature from the sample kernel's parts (their reference) draws what Sampler draws from the whole row,
+    from the same generator state; the row is read only where the nucleus reaches past the 64."""
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    rng = np.random.default_rng(int(temperature * 10))
+    from_row = 0
+    for seed in range(60):
+        logits = (rng.standard_normal(1000) * rng.choice([1.0, 3.0, 6.0])).astype(np.float32)
+        ids = topk.reference(logits, 64)[0][0]
+        zmax, total = sample.softmax_of(*sample.parts(logits, temperature, 7), temperature)
+        a, b = Sampler(dataclasses.replace(params, seed=seed)), Sampler(dataclasses.replace(params, seed=seed))
+        read = []
+        assert a.draw_top_p(ids, logits[ids], zmax, total, row=lambda: read.append(1) or logits) == b(logits)
+        assert a.rng.bit_generator.state == b.rng.bit_generator.state
+        from_row += len(read)
+    assert 0 < from_row < 60  # both ways were taken
+
+
+def test_softmax_of_the_parts_is_the_rows():
+    logits = (np.random.default_rng(3).standard_normal(5000) * 4).astype(np.float32)
+    for temperature, blocks in [(0.5, 1), (1.0, 7), (2.0, 132)]:
+        zmax, total = sample.softmax_of(*sample.parts(logits, temperature, blocks), temperature)
+        z = logits.astype(np.float64) / temperature
+        assert zmax == pytest.approx(z.max(), rel=1e-15)
+        assert total == pytest.approx(np.exp(z - z.max()).sum(), rel=1e-13)
+
+
 class FlatEngine:
     """An engine whose logits are a fixed function of the position and token (numpy), with or without the device
-    paths (decode_sample drawing by the kernel's reference, decode_top_k by topk's): generation must draw the same
-    tokens either way."""
+    paths (decode_sample drawing by the kernel's reference, decode_top_k by topk's, decode_top_p by both): generation
+    must draw the same tokens either way."""
     max_top_k = 64
 
     def __init__(self, on_device: bool):
@@ -113,6 +142,7 @@ class FlatEngine:
         self.max_context, self._pos, self.device_draws, self.top_k_steps = 4096, 0, 0, 0
         if on_device:
             self.decode_sample, self.decode_top_k = self._decode_sample, self._decode_top_k
+            self.decode_top_p = self._decode_top_p
 
     @property
     def position(self) -> int:
@@ -144,6 +174,12 @@ class FlatEngine:
         ids, values = topk.reference(self.last, k)
         return ids[0], values[0]
 
+    def _decode_top_p(self, token: int, temperature: float, k: int):
+        self.top_k_steps += 1
+        self.last = self.decode(token)
+        ids = topk.reference(self.last, k)[0][0]
+        return (ids, self.last[ids], *sample.softmax_of(*sample.parts(self.last, temperature, 7), temperature))
+
     def step_logits(self) -> np.ndarray:
         return self.last
 
@@ -172,8 +208,17 @@ def test_top_k_takes_the_devices_best_and_draws_the_hosts_tokens(params, tokeniz
     assert b.token_ids == a.token_ids
 
 
-def test_top_p_alone_and_a_top_k_past_the_devices_stay_on_the_host(tokenizer):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.5, top_p=0.9, seed=3),
+                                    SamplingParams(temperature=1.0, top_p=0.6, seed=4)])
+def test_top_p_takes_the_devices_best_and_softmax_and_draws_the_hosts_tokens(params, tokenizer):
+    host, device = FlatEngine(False), FlatEngine(True)
+    a = generate(host, tokenizer, [5, 6, 7], 30, params, ignore_eos=True)
+    b = generate(device, tokenizer, [5, 6, 7], 30, params, ignore_eos=True)
+    assert (device.top_k_steps, device.device_draws) == (29, 0)
+    assert b.token_ids == a.token_ids
+
+
+def test_a_top_k_past_the_devices_stays_on_the_host(tokenizer):
     engine = FlatEngine(True)
-    generate(engine, tokenizer, [5], 10, SamplingParams(temperature=0.8, top_p=0.9, seed=1), ignore_eos=True)
     generate(engine, tokenizer, [5], 10, SamplingParams(temperature=0.8, top_k=64, seed=1), ignore_eos=True)
     assert (engine.top_k_steps, engine.device_draws) == (0, 0)

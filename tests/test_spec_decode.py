@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
-from lucegen.engine.sampling import SamplingParams
+from lucegen.engine.sampling import SamplingParams, filtered_probs
 from lucegen.model.config import tiny_config
 from lucegen.reference import State, decode_step, generate, prefill, random_weights
 from lucegen.spec_decode import (
@@ -130,7 +130,7 @@ class ArgmaxVerifier(ReferenceVerifier):
 
     def _rows(self, logits, parents):
         read = []
-        self.rows_read.append((parents, read))
+        self.rows_read.append((parents, read, logits))
 
         class Rows:
             def __getitem__(self, node):
@@ -152,6 +152,13 @@ class ArgmaxVerifier(ReferenceVerifier):
         assert k <= self.max_top_k
         logits = self._pass("top_k", tokens, parents)
         return *topk.reference(logits.astype(np.float32), k), self._rows(logits, parents)
+
+    def forward_top_p(self, tokens, parents, temperature, k):
+        assert k <= self.max_top_k
+        logits = self._pass("top_p", tokens, parents)
+        ids = topk.reference(logits.astype(np.float32), k)[0]
+        softmax = [sample.softmax_of(*sample.parts(row, temperature, 5), temperature) for row in logits]
+        return ids, np.take_along_axis(logits, ids, axis=1), softmax, self._rows(logits, parents)
 
     def forward_rows(self, tokens, parents):
         return self._rows(self._pass("rows", tokens, parents), parents)
@@ -184,7 +191,8 @@ LAWS = {"greedy": (SamplingParams(temperature=0), "argmax"),
         "top_k": (SamplingParams(temperature=0.2, top_k=5, seed=3), "top_k"),
         "top_k top_p": (SamplingParams(temperature=0.5, top_k=9, top_p=0.7, seed=4), "top_k"),
         "top_k past the device's": (SamplingParams(temperature=0.2, top_k=16, seed=3), "rows"),
-        "top_p": (SamplingParams(temperature=0.2, top_p=0.9, seed=3), "rows")}
+        "top_p": (SamplingParams(temperature=0.2, top_p=0.9, seed=3), "top_p"),
+        "top_p past the device's": (SamplingParams(temperature=1.0, top_p=0.9, seed=3), "top_p")}
 
 
 @pytest.mark.parametrize("law", LAWS)
@@ -192,8 +200,9 @@ def test_rounds_take_the_verifiers_pass_for_the_law_and_draw_the_hosts_tokens(la
     """Greedy rounds walk the verifier's argmax ids (no N x vocab logits to the host) and give plain greedy
     decoding's tokens. Sampled rounds draw the tokens that drawing every node from its whole row on the host
     gives, from the same seed (the same uniforms, one a node walked): a temperature alone from the device's draws
-    (a node drawn with its depth's uniform), top_k from the device's k + 1 best a node, and other laws from the rows
-    of the walk's nodes alone (each node once, a root-first chain of the tree)."""
+    (a node drawn with its depth's uniform), top_k from the device's k + 1 best a node, top_p alone from its best and
+    its softmax a node, and other laws (and a nucleus past the best) from the rows of the walk's nodes alone (each
+    node once, a root-first chain of the tree)."""
     params, expected = LAWS[law]
     verifier = ArgmaxVerifier(WEIGHTS, CFG, State())
     out, lengths = rounds(verifier, params)
@@ -201,14 +210,20 @@ def test_rounds_take_the_verifiers_pass_for_the_law_and_draw_the_hosts_tokens(la
     if params.temperature == 0:
         assert out[:24] == REF[:24]
         return
-    assert max(lengths) > 2  # paths past depth 1 were walked
+    assert max(lengths) > 2 or "past" in law  # paths past depth 1 were walked
     assert (out, lengths) == rounds(ReferenceVerifier(WEIGHTS, CFG, State()), params)
-    for parents, read in verifier.rows_read:
+    past = 0
+    for parents, read, logits in verifier.rows_read:
         if expected == "rows":
             assert read[0] == 0 and len(set(read)) == len(read)
             assert all(parents[b] == a for a, b in zip(read, read[1:])), (parents, read)
-        else:
-            assert read == []  # no tie at the k-th: no row
+        for node in read:  # top_k: none (no tie at the k-th); top_p: only rows whose nucleus is past the best
+            if expected != "rows":
+                nucleus = np.count_nonzero(filtered_probs(logits[node], params.temperature, 0, params.top_p))
+                assert expected == "top_p" and nucleus > verifier.max_top_k, (law, node, nucleus)
+                past += 1
+    if law == "top_p past the device's":
+        assert past > 0
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9, 17])

@@ -301,7 +301,7 @@ class EmulatedKernel:
     def __init__(self, shape: Shape):
         self.s, self.launches = shape, []
 
-    def __call__(self, grid, block, logits, vocab, k, lists, stats, tickets, ids, logprobs, stream=None):
+    def __call__(self, grid, block, logits, vocab, k, lists, stats, tickets, ids, logprobs, values, stream=None):
         s = self.s
         blocks, n = grid
         assert block == s.threads and blocks == math.ceil(vocab / s.slice)
@@ -311,6 +311,8 @@ class EmulatedKernel:
         got_ids, got_lp = emulate(s, x, k)
         ids.a.reshape(-1)[:] = got_ids.reshape(-1)
         logprobs.a.reshape(-1)[:] = got_lp.reshape(-1)
+        if not isinstance(values, tuple):  # (0, c_void_p): none asked for
+            values.a.reshape(-1)[:] = np.take_along_axis(x, got_ids, axis=1).reshape(-1)
         self.launches.append((grid, k))
 
 
@@ -349,6 +351,9 @@ def test_launcher_on_host(on_host):
         top = topk.device_topk(op, DeviceArray.from_numpy(x), n, vocab, k, None)
         assert isinstance(top, TopK) and top.ids.dtype == np.int64
         np.testing.assert_array_equal(top.ids, ref_ids)
+        ids, lp, values = op.best(DeviceArray.from_numpy(x), n, vocab, k)  # with the logits themselves
+        np.testing.assert_array_equal(ids.numpy(), ref_ids)
+        np.testing.assert_array_equal(values.numpy(), np.take_along_axis(x, ref_ids, axis=1))
     # the caller's own outputs, and k above max_k clamped by device_topk (DDTree reads K from the TopK's width)
     x = rng.standard_normal((2, 3000)).astype(np.float32)
     own_ids, own_lp = HostArray.empty((2, 5), np.int32), HostArray.empty((2, 5), np.float32)
@@ -370,6 +375,8 @@ def test_launcher_rejects_bad_calls(on_host):
             op(x, n, vocab, k)
     with pytest.raises(ValueError, match="expected 2"):
         op(x, 1, 100, 2, ids=HostArray.empty(3, np.int32))
+    with pytest.raises(ValueError, match="values .* expected 2"):
+        op(x, 1, 100, 2, values=HostArray.empty(3, np.float32))
     with pytest.raises(ValueError, match="do not hold"):
         op(DeviceArray.from_numpy(np.zeros(200, np.float64)), 1, 100, 1)
 

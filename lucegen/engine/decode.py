@@ -13,7 +13,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..codegen.build import BUILD_DIR, build
-from ..kernels import topk
+from ..kernels import sample, topk
 from ..kernels.gdn import CHUNK
 from ..kernels.megakernel import Megakernel
 from ..model.config import ModelConfig
@@ -54,7 +54,7 @@ class DecodeEngine(Speculating):
         self.n_done = DeviceArray.empty(1, np.int32)
         self._buffers: dict[str, DeviceArray] = {}
         self._prefill: tuple[tensor_prefill.Prefill, DeviceWeights] | None = None  # built for the first long prompt
-        self._top_k: topk.TopKKernel | None = None  # built for the first decode_top_k
+        self._rows: tuple[topk.TopKKernel, sample.Sample] | None = None  # built for the first decode_top_k / _top_p
 
     # ---- the Engine interface -------------------------------------------------------------------------------
     @property
@@ -96,13 +96,32 @@ class DecodeEngine(Speculating):
     def decode_top_k(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """decode's step, returning the k best tokens of its logits (best first, ties to the lower id) and their
         log-softmax values, found on the device (kernels/topk.py), not vocab logits; step_logits() has the rest."""
-        if self._top_k is None:
-            built = build(self.spec, self.config, topk.units(self.spec, self.config), root=self.build_root)
-            self._top_k = topk.TopKKernel(built.module("topk"), self.spec, rows=1, vocab=self.config.vocab_size)
+        top_k, _ = self._row_kernels()
         self.enqueue([token], logits="last")
-        ids, values = self._top_k(self._buffers["logits"], 1, self.config.vocab_size, k)
+        ids, values = top_k(self._buffers["logits"], 1, self.config.vocab_size, k)
         self.state.position += 1
         return ids.numpy()[0], values.numpy()[0]
+
+    def decode_top_p(self, token: int, temperature: float, k: int) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """decode's step, returning the k best tokens of its logits (best first, ties to the lower id), their logits,
+        and the row's softmax at the temperature (kernels/sample.py's softmax_of: Z and S), found on the device, not
+        vocab logits: what Sampler.draw_top_p takes; step_logits() has the rest."""
+        top_k, draw = self._row_kernels()
+        self.enqueue([token], logits="last")
+        V = self.config.vocab_size
+        ids, _, values = top_k.best(self._buffers["logits"], 1, V, k)
+        draw.softmax(self._buffers["logits"].view(V, np.float32), temperature)
+        self.state.position += 1
+        return (ids.numpy()[0], values.numpy()[0], *draw.softmax_of(1, temperature)[0])
+
+    def _row_kernels(self) -> tuple[topk.TopKKernel, sample.Sample]:
+        """The top-k and sample kernels over the step's logits row (built on first use)."""
+        if self._rows is None:
+            units = [*topk.units(self.spec, self.config), *sample.units(self.spec, self.config)]
+            built = build(self.spec, self.config, units, root=self.build_root)
+            self._rows = (topk.TopKKernel(built.module("topk"), self.spec, rows=1, vocab=self.config.vocab_size),
+                          sample.Sample(built.module("sample"), self.spec))
+        return self._rows
 
     def step_logits(self) -> np.ndarray:
         """The logits [vocab] of the last step, where it kept them (logits="last")."""
@@ -207,8 +226,8 @@ class DecodeEngine(Speculating):
         self.free_speculation()
         if self._prefill is not None:
             self._prefill[0].free()
-        if self._top_k is not None:
-            self._top_k.free()
+        for kernel in self._rows or ():
+            kernel.free()
         self.kernel.free()
         self.state.free()
         for a in (self.table, self.n_done, *self._buffers.values()):

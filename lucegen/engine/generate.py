@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..model.tokenizer import Tokenizer
 from .base import ContextOverflow, Engine
-from .sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device
+from .sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device, top_p_on_device
 
 
 @dataclass
@@ -105,7 +105,8 @@ class _StopText:
 class _Tokens:
     """The output tokens of the engine: the prefill's, then per target pass one token (engine.decode; greedy:
     engine.decode_argmax where the engine has it, at a temperature alone engine.decode_sample with the sampler's
-    next uniform, and with top_k engine.decode_top_k's k + 1 best, all of which leave the logits on the device), or
+    next uniform, with top_k engine.decode_top_k's k + 1 best, and with top_p alone engine.decode_top_p's best and
+    softmax, all of which leave the logits on the device), or
     with a draft (engine.speculation) a speculative round: the accepted draft tokens and the bonus token. Passes run
     only when their tokens are asked for; `passes` counts them."""
 
@@ -124,6 +125,11 @@ class _Tokens:
                 params, min(engine.max_top_k, engine.config.vocab_size)):
             def on_device(token: int) -> int:  # the k + 1 best from the device; the whole row only on a tie
                 return sampler.draw_top_k(*top(token, params.top_k + 1), engine.step_logits)
+        elif top_p_on_device(params) and (top_p := getattr(engine, "decode_top_p", None)):
+            most = min(engine.max_top_k, engine.config.vocab_size)
+
+            def on_device(token: int) -> int:  # the best and the softmax; the whole row past them
+                return sampler.draw_top_p(*top_p(token, params.temperature, most), engine.step_logits)
         step = on_device or (lambda token: sampler(engine.decode(token)))
         out = [sampler(engine.prefill(self.prompt_ids))]
         yield out[0]

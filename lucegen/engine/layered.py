@@ -393,6 +393,17 @@ class LayeredEngine(Speculating):
         self.step.wait()
         return ids.numpy()[0], values.numpy()[0]
 
+    def decode_top_p(self, token: int, temperature: float, k: int) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """decode's step, returning the k best tokens of its logits (best first, ties to the lower id), their logits,
+        and the row's softmax at the temperature (kernels/sample.py's softmax_of: Z and S), found on the device, not
+        vocab logits: what Sampler.draw_top_p takes; step_logits() has the rest."""
+        s, V = self.step, self.config.vocab_size
+        s.launch([token])
+        ids, _, values = s.top_k.best(s.logits, 1, V, k, stream=s.stream)
+        s.sample.softmax(s.logits.view(V), temperature, stream=s.stream)
+        s.wait()
+        return (ids.numpy()[0], values.numpy()[0], *s.sample.softmax_of(1, temperature)[0])
+
     def step_logits(self) -> np.ndarray:
         """The logits [vocab] of the last one-token step."""
         return self.step.logits.view(self.config.vocab_size).numpy()

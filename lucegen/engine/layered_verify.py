@@ -136,6 +136,21 @@ class TreeVerifier:
         n = self._run(tokens, parents, then=lambda n: found.extend(s.top_k(s.logits, n, V, k, stream=s.stream)))
         return found[0].numpy(), found[1].numpy(), NodeLogits(s.logits, n, V)
 
+    def forward_top_p(self, tokens: Sequence[int], parents: Sequence[int], temperature: float, k: int
+                      ) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float]], NodeLogits]:
+        """forward's pass, then each node's k best tokens (best first, ties to the lower id) and their logits [N, k],
+        each node's softmax at the temperature ((Z, S), kernels/sample.py's softmax_of), and the rows left on the
+        device for the draws whose nucleus reaches past the k: what a sampled round under top_p alone walks."""
+        s, V = self.step, self.step.cfg.vocab_size
+        found = []
+
+        def then(n: int) -> None:
+            found.extend(s.top_k.best(s.logits, n, V, k, stream=s.stream))
+            s.sample.softmax(s.logits.view(n * V), temperature, rows=n, stream=s.stream)
+        n = self._run(tokens, parents, then=then)
+        return (found[0].numpy(), found[2].numpy(), s.sample.softmax_of(n, temperature),
+                NodeLogits(s.logits, n, V))
+
     def _run(self, tokens: Sequence[int], parents: Sequence[int], then=None) -> int:
         """The tree's pass (one graph launch), then(n) enqueued after it, waited for; returns its node count."""
         s, n = self.step, len(tokens)

@@ -47,6 +47,12 @@ def top_k_on_device(params: SamplingParams, most: int) -> bool:
     return params.temperature > 0 and 0 < params.top_k < most
 
 
+def top_p_on_device(params: SamplingParams) -> bool:
+    """Whether the GPU engines draw this law's tokens (top_p without top_k) from the device's best tokens of a row and
+    its softmax (Sampler.draw_top_p); the whole row only where the nucleus reaches past them."""
+    return params.temperature > 0 and params.top_k == 0 and params.top_p < 1
+
+
 def filtered_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The float64 distribution [vocab] a token is drawn from.
 
@@ -134,6 +140,22 @@ class Sampler:
             return self(row())
         order = np.argsort(ids[:k])
         return self.draw_among(np.asarray(ids[:k])[order], np.asarray(values[:k])[order])
+
+    def draw_top_p(self, ids: np.ndarray, values: np.ndarray, zmax: float, total: float,
+                   row: Callable[[], np.ndarray]) -> int:
+        """The draw of a top_p law (top_k off) from the best tokens of a row (ids best first, ties to the lower id:
+        the order of most_probable_first; values: their logits) and the row's softmax at the temperature (zmax: the
+        largest logit / T, total: the sum over the row of exp(logit / T - zmax); kernels/sample.py's softmax_of),
+        as __call__ draws it from the row: where their probabilities reach top_p the nucleus is a prefix of them,
+        and the draw is over it in id order; else from the whole row, row()."""
+        p = self.params
+        probs = np.exp(np.asarray(values, np.float64) / p.temperature - zmax) / total
+        running = np.cumsum(probs)
+        if running[-1] < p.top_p:
+            return self(row())
+        kept = int(np.count_nonzero(np.concatenate(([0.0], running[:-1])) < p.top_p))  # filtered_probs' cut
+        order = np.argsort(ids[:kept])
+        return int(np.asarray(ids[:kept])[order][self.draw(probs[:kept][order])])
 
     def uniforms_ahead(self, n: int) -> np.ndarray:
         """The uniforms of the next n draws (each draw takes one, in order), without taking them: a speculative

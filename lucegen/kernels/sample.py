@@ -20,6 +20,7 @@ from ..spec import ChipSpec
 from . import argmax
 
 PART_BYTES = 16  # a SoftmaxPart: the slice's sum (fp64) and largest logit (fp32), padded
+PART_DTYPE = np.dtype([("sum", "<f8"), ("max", "<f4"), ("pad", "<i4")])
 
 
 def slices(n: int, blocks: int) -> list[tuple[int, int]]:
@@ -40,19 +41,42 @@ def first_past(w: np.ndarray, u: float) -> tuple[int, float]:
     return i, float(np.clip((target - before) / w[i], 0.0, 1.0))
 
 
-def reference(logits: np.ndarray, temperature: float, u: float, blocks: int) -> int:
-    """The token the kernel draws from fp32 logits [n] with u in [0, 1), its row cut among `blocks` blocks."""
+def parts(logits: np.ndarray, temperature: float, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks' SoftmaxParts of fp32 logits [n] cut among `blocks` blocks: (sums, maxes) [blocks], each slice's
+    sum of exp(z - its largest z) in fp64 (z = logit / T) and its largest logit (-inf where the slice is empty)."""
     v, inv_t = np.asarray(logits, np.float32).astype(np.float64), 1.0 / temperature
     cuts = slices(v.size, blocks)
     maxes = np.array([v[a:b].max() if b > a else -np.inf for a, b in cuts])
     with np.errstate(invalid="ignore"):  # a slice of -inf logits: its sum is NaN, and weighs nothing (as on the GPU)
         sums = np.array([np.exp(v[a:b] * inv_t - m * inv_t).sum() if b > a else 0.0
                          for (a, b), m in zip(cuts, maxes)])
-        zmax = maxes.max() * inv_t
-        weights = np.where(sums > 0, sums * np.exp(maxes * inv_t - zmax), 0.0)
-    block, frac = first_past(weights, u)
-    a, b = cuts[block]
-    return a + first_past(np.exp(v[a:b] * inv_t - maxes[block] * inv_t), frac)[0]
+    return sums, maxes
+
+
+def block_weights(sums: np.ndarray, maxes: np.ndarray, temperature: float) -> tuple[np.ndarray, float]:
+    """From the parts: each slice's share of the row, w_b = s_b exp(z_b - Z) (the sum of exp(z - Z) over it), and Z,
+    the row's largest z (sample_pick's)."""
+    inv_t = 1.0 / temperature
+    zmax = np.max(maxes) * inv_t
+    with np.errstate(invalid="ignore"):
+        return np.where(sums > 0, sums * np.exp(maxes * inv_t - zmax), 0.0), float(zmax)
+
+
+def softmax_of(sums: np.ndarray, maxes: np.ndarray, temperature: float) -> tuple[float, float]:
+    """A row's softmax at the temperature from its blocks' parts: (Z, S), its largest z = logit / T and the sum over
+    the row of exp(z - Z) (fp64, the blocks' weights added in block order): a token's probability is
+    exp(logit / T - Z) / S."""
+    weights, zmax = block_weights(sums, maxes, temperature)
+    return zmax, float(weights.sum())
+
+
+def reference(logits: np.ndarray, temperature: float, u: float, blocks: int) -> int:
+    """The token the kernel draws from fp32 logits [n] with u in [0, 1), its row cut among `blocks` blocks."""
+    sums, maxes = parts(logits, temperature, blocks)
+    block, frac = first_past(block_weights(sums, maxes, temperature)[0], u)
+    a, b = slices(len(logits), blocks)[block]
+    v, inv_t = np.asarray(logits[a:b], np.float32).astype(np.float64), 1.0 / temperature
+    return a + first_past(np.exp(v * inv_t - maxes[block] * inv_t), frac)[0]
 
 
 def units(spec: ChipSpec, model: ModelConfig) -> list[KernelUnit]:
@@ -102,6 +126,20 @@ class Sample:
         self.kernel((self.blocks, rows), self.threads, v, v.size // rows, (1.0 / temperature, ctypes.c_double),
                     (float(us[0]) if not many else 0.0, ctypes.c_double),
                     self.uniforms if many else (0, ctypes.c_void_p), self.out, self.parts, self.ticket, stream=stream)
+
+    def softmax(self, v: DeviceArray, temperature: float, rows: int = 1, stream=None) -> None:
+        """The parts alone of each of v's rows (fp32 [rows, n]) at the temperature (a launch that draws nothing:
+        out = -1); softmax_of() reads them once the stream is done."""
+        if not temperature > 0 or v.size % rows:
+            raise ValueError(f"softmax of {v.size} logits in {rows} rows at temperature {temperature} (> 0)")
+        self.reserve(rows)
+        self.kernel((self.blocks, rows), self.threads, v, v.size // rows, (1.0 / temperature, ctypes.c_double),
+                    (-1.0, ctypes.c_double), (0, ctypes.c_void_p), self.out, self.parts, self.ticket, stream=stream)
+
+    def softmax_of(self, rows: int, temperature: float) -> list[tuple[float, float]]:
+        """Each row's (Z, S) (softmax_of) from the parts of the last launch over `rows` rows at that temperature."""
+        raw = self.parts.view(rows * self.blocks * PART_BYTES).numpy().view(PART_DTYPE).reshape(rows, self.blocks)
+        return [softmax_of(r["sum"], r["max"].astype(np.float64), temperature) for r in raw]
 
     def free(self) -> None:
         for a in (self.parts, self.ticket, self.out, self.uniforms):

@@ -7,6 +7,7 @@ logit - logsumexp(row) in fp32 (tolerance: `logprob_tolerance`).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -74,7 +75,7 @@ class TopKKernel:
         t = spec.tuning.topk
         self.threads, self.slice, self.max_k = t.threads, t.slice, t.max_k
         self._rows = self._blocks = 0
-        self.lists = self.stats = self.tickets = self.ids = self.logprobs = None
+        self.lists = self.stats = self.tickets = self.ids = self.logprobs = self.values = None
         self.reserve(rows, max(vocab, 1))
 
     def reserve(self, rows: int, vocab: int) -> None:
@@ -89,11 +90,12 @@ class TopKKernel:
             self.tickets = DeviceArray.zeros(rows, np.uint32)
             self.ids = DeviceArray.empty(rows * self.max_k, np.int32)
             self.logprobs = DeviceArray.empty(rows * self.max_k, np.float32)
+            self.values = DeviceArray.empty(rows * self.max_k, np.float32)
         self._rows, self._blocks = rows, blocks
 
     def __call__(self, logits: DeviceArray, n: int, vocab: int, k: int, stream=None,
-                 ids: DeviceArray | None = None, logprobs: DeviceArray | None = None
-                 ) -> tuple[DeviceArray, DeviceArray]:
+                 ids: DeviceArray | None = None, logprobs: DeviceArray | None = None,
+                 values: DeviceArray | bool | None = None) -> tuple[DeviceArray, DeviceArray]:
         """Launch on `stream`; returns (ids [n, k] int32, logprobs [n, k] fp32) device arrays: the given ones, or
         views of this launcher's own (overwritten by its next call)."""
         if logits.dtype != np.float32 or logits.size < n * vocab:
@@ -108,12 +110,23 @@ class TopKKernel:
             ids = self.ids.view((n, k))
         if logprobs is None:
             logprobs = self.logprobs.view((n, k))
-        for name, a, dt in (("ids", ids, np.int32), ("logprobs", logprobs, np.float32)):
+        if values is True:
+            values = self.values.view((n, k))
+        for name, a, dt in (("ids", ids, np.int32), ("logprobs", logprobs, np.float32),
+                            *((("values", values, np.float32),) if values is not None else ())):
             if a.dtype != dt or a.size != n * k:
                 raise ValueError(f"{name} {a.shape} {a.dtype}: expected {n * k} {np.dtype(dt)}")
         self.kernel((math.ceil(vocab / self.slice), n), self.threads, logits, vocab, k, self.lists, self.stats,
-                    self.tickets, ids, logprobs, stream=stream)
+                    self.tickets, ids, logprobs, values if values is not None else (0, ctypes.c_void_p),
+                    stream=stream)
         return ids, logprobs
+
+    def best(self, logits: DeviceArray, n: int, vocab: int, k: int, stream=None
+             ) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """The same launch, also writing the k logits themselves: (ids, logprobs, values [n, k] fp32), views of this
+        launcher's own arrays."""
+        ids, logprobs = self(logits, n, vocab, k, stream=stream, values=True)
+        return ids, logprobs, self.values.view((n, k))
 
     def top(self, logits: DeviceArray, n: int, vocab: int, k: int, stream=None) -> TopK:
         """The same on the host: a TopK (ids int64 [n, k], log-probs fp32 [n, k]) as DDTree's build_tree takes it;
@@ -124,7 +137,7 @@ class TopKKernel:
         return TopK(ids.numpy().astype(np.int64), logprobs.numpy())
 
     def free(self) -> None:
-        for a in (self.lists, self.stats, self.tickets, self.ids, self.logprobs):
+        for a in (self.lists, self.stats, self.tickets, self.ids, self.logprobs, self.values):
             a.free()
 
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lucegen.engine.sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device
+from lucegen.engine.sampling import Sampler, SamplingParams, drawn_on_device, top_k_on_device, top_p_on_device
 from lucegen.model.config import ModelConfig
 from lucegen.reference.model import State, Weights, prefill
 from lucegen.spec_decode.accept import chosen, commit, walk
@@ -48,8 +48,9 @@ class Verifier(Protocol):
     forward_argmax(tokens, parents) -> the argmax of each node's logits [N] (numpy's rule: the lowest index on ties);
     forward_drawn(tokens, parents, temperature, uniforms) -> the token drawn from each node's row at the temperature
     with its uniform [N] (Sampler's law); forward_top_k(tokens, parents, k) -> (ids [N, k] best first, log-softmax
-    values [N, k], rows) for k <= max_top_k; forward_rows(tokens, parents) -> rows, with rows[node] that node's
-    logits [vocab], copied when asked for (the walk reads its path's nodes only)."""
+    values [N, k], rows) for k <= max_top_k; forward_top_p(tokens, parents, temperature, k) -> (ids [N, k], their
+    logits [N, k], each node's softmax (Z, S), rows); forward_rows(tokens, parents) -> rows, with rows[node] that
+    node's logits [vocab], copied when asked for (the walk reads its path's nodes only)."""
 
     def forward(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray: ...
 
@@ -91,6 +92,8 @@ def verified_walk(verifier: Verifier, tree: Tree, sampler: Sampler) -> tuple[lis
                        took;
       top_k            forward_top_k: each node's top_k + 1 best, which the sampler draws from (its row only on a
                        tie at the k-th);
+      top_p alone      forward_top_p: each node's best tokens and softmax, the nucleus drawn from them where they
+                       hold it (its row only where it reaches past them);
       else             forward_rows: the rows of the nodes the walk visits (forward: all of them), drawn here."""
     p, tokens, parents = sampler.params, tree.tokens, tree.parents
     if p.temperature == 0 and hasattr(verifier, "forward_argmax"):
@@ -105,6 +108,9 @@ def verified_walk(verifier: Verifier, tree: Tree, sampler: Sampler) -> tuple[lis
     if hasattr(verifier, "forward_top_k") and top_k_on_device(p, verifier.max_top_k):
         ids, values, rows = verifier.forward_top_k(tokens, parents, p.top_k + 1)
         return walk(tree, lambda node: sampler.draw_top_k(ids[node], values[node], lambda: rows[node]))
+    if hasattr(verifier, "forward_top_p") and top_p_on_device(p):
+        ids, values, softmax, rows = verifier.forward_top_p(tokens, parents, p.temperature, verifier.max_top_k)
+        return walk(tree, lambda node: sampler.draw_top_p(ids[node], values[node], *softmax[node], lambda: rows[node]))
     forward = getattr(verifier, "forward_rows", verifier.forward)
     return walk(tree, chosen(forward(tokens, parents), sampler))
 

@@ -181,6 +181,24 @@ def test_decode_top_k_is_the_top_k_of_decodes_logits(gguf):
         np.testing.assert_array_equal(logits, row)
 
 
+def test_decode_top_p_is_the_best_and_softmax_of_decodes_logits(gguf):
+    """decode_top_p (a top_p law's step) takes decode's step: its k best are topk's reference on decode's logits,
+    with those logits, and its softmax is the row's at the temperature (fp64, within rounding)."""
+    weights, _ = gguf
+    engine = LayeredEngine(weights, RATIO3_Q, max_context=256)
+    tokens = [int(t) for t in np.random.default_rng(8).integers(0, RATIO3_Q.vocab_size, 12)]
+    rows = after_a_prompt(engine, tokens, lambda i, t: engine.decode(t))
+    tops = after_a_prompt(engine, tokens, lambda i, t: (*engine.decode_top_p(t, 0.6, 64), engine.step_logits()))
+    for row, (ids, values, zmax, total, logits) in zip(rows, tops):
+        want_ids = topk.reference(row, 64)[0][0]
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(values, row[want_ids])
+        z = row.astype(np.float64) / 0.6
+        assert zmax == pytest.approx(z.max(), rel=1e-15)
+        assert total == pytest.approx(np.exp(z - z.max()).sum(), rel=1e-13)
+        np.testing.assert_array_equal(logits, row)
+
+
 def test_an_hf_bf16_checkpoint_runs_through_the_same_step(tmp_path_factory):
     """HF's grouped value-head order and bf16 matrices (qgemv's bf16 format)."""
     weights, ref = checkpoint(tmp_path_factory, "hf", peaked=False)
@@ -348,6 +366,13 @@ def test_a_tree_verify_is_decoding_each_node_after_its_ancestors_bit_for_bit(ggu
     np.testing.assert_array_equal(ids, want_ids)
     assert (np.abs(values - want_values) <= topk.logprob_tolerance(logits, want_values)).all()
     np.testing.assert_array_equal(rows[len(parents) - 1], logits[-1])
+    ids, values, softmax, rows = verifier.forward_top_p(tokens, parents, 0.8, 21)  # top_p's: the best, the softmax
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(values, np.take_along_axis(logits, want_ids, axis=1))
+    for n, (zmax, total) in enumerate(softmax):
+        z = logits[n].astype(np.float64) / 0.8
+        assert zmax == pytest.approx(z.max(), rel=1e-15)
+        assert total == pytest.approx(np.exp(z - z.max()).sum(), rel=1e-13)
 
 
 @pytest.mark.parametrize("path", [[0], [0, 1, 3, 5, 11], [0, 2, 6, 7, 8], [0, 9]])

@@ -419,6 +419,25 @@ def test_a_top_k_generation_takes_the_devices_best_and_draws_the_hosts_tokens():
     assert device == host
 
 
+def test_top_p_draws_from_the_devices_best_and_softmax_the_hosts_tokens():
+    """A top_p law (temperature 0.7, top_p 0.8) drawn from decode_top_p's 64 best, their logits and the row's
+    softmax, the step's logits only where the nucleus reaches past them: the same tokens as drawing from each
+    step's whole row with the same seed."""
+    m = model("small")
+    params = SamplingParams(temperature=0.7, top_p=0.8, seed=6)
+    m.load(State())
+    sampler = Sampler(params)
+    host = [sampler(m.engine.prefill([3, 1, 4]))]
+    for _ in range(15):
+        host.append(sampler(m.engine.decode(host[-1])))
+    m.load(State())
+    sampler = Sampler(params)
+    device = [sampler(m.engine.prefill([3, 1, 4]))]
+    for _ in range(15):
+        device.append(sampler.draw_top_p(*m.engine.decode_top_p(device[-1], 0.7, 64), m.engine.step_logits))
+    assert device == host
+
+
 def test_prefetch_changes_no_result():
     m = model("small")
     tokens = np.random.default_rng(7).integers(0, m.cfg.vocab_size, 6)

@@ -57,16 +57,20 @@ def check(op, x: np.ndarray, k: int, stream=None) -> None:
     ref_ids, ref_lp = topk.reference(x, k)
     tol = topk.logprob_tolerance(x, ref_lp)
     logits = DeviceArray.from_numpy(x)
-    ids, lp = poisoned((n, k), np.int32), poisoned((n, k), np.float32)
-    for _ in range(2):  # the second launch checks that every row's ticket was reset
-        ids.fill_bytes(0xFF)
-        lp.fill_bytes(0xFF)
+    ids, lp, values = poisoned((n, k), np.int32), poisoned((n, k), np.float32), poisoned((n, k), np.float32)
+    for with_values in (False, True):  # the second launch also checks that every row's ticket was reset
+        for a in (ids, lp, values):
+            a.fill_bytes(0xFF)
         synchronize()  # the upload and the memsets ran on the legacy stream, which a lucegen Stream does not wait for
-        op(logits, n, vocab, k, stream=stream, ids=ids, logprobs=lp)
+        op(logits, n, vocab, k, stream=stream, ids=ids, logprobs=lp, values=values if with_values else None)
         if stream is not None:
             stream.synchronize()
         got_ids, got_lp = ids.numpy(), lp.numpy()
         np.testing.assert_array_equal(got_ids, ref_ids)
+        if with_values:  # the logits themselves
+            np.testing.assert_array_equal(values.numpy(), np.take_along_axis(x, ref_ids, axis=1))
+        else:
+            assert np.isnan(values.numpy()).all(), "values written though none were asked for"
         assert np.isfinite(got_lp).all(), "non-finite value (unwritten?)"
         err = np.abs(got_lp.astype(np.float64) - ref_lp)
         assert (err <= tol).all(), f"value error {err.max():.3g} (tolerance there {tol.flat[err.argmax()]:.3g})"
