@@ -6,6 +6,10 @@ token whose running sum of probabilities passes u, for u the request's next unif
 wherever they are drawn. The row is cut into one slice a block; the kernel picks the slice from the blocks' partial
 sums, then the token in it, in fp64: the same token as the host's but where u lies within rounding (~1e-15) of the
 boundary between two. The decode megakernel draws its tokens with the same device functions (mk_decode.cuh).
+
+One launch draws from many rows (a tree verify's nodes), each with its own uniform; a launch may also stop at the
+parts (Sample.softmax): the row's softmax at the temperature (softmax_of: its largest z and sum of exponentials),
+from which a top_p nucleus among the device's best tokens is drawn on the host (Sampler.draw_top_p).
 """
 from __future__ import annotations
 
