@@ -23,8 +23,8 @@ from ..runtime.memory import DeviceArray
 from ..spec import ChipSpec
 from . import argmax
 
-PART_BYTES = 16  # a SoftmaxPart: the slice's sum (fp64) and largest logit (fp32), padded
-PART_DTYPE = np.dtype([("sum", "<f8"), ("max", "<f4"), ("pad", "<i4")])
+PART_DTYPE = np.dtype([("sum", "<f8"), ("max", "<f4"), ("pad", "<i4")])  # a SoftmaxPart (sample.cuh)
+PART_BYTES = PART_DTYPE.itemsize
 
 
 def slices(n: int, blocks: int) -> list[tuple[int, int]]:
