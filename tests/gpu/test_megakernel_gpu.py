@@ -400,42 +400,31 @@ def test_a_seeded_sampled_launch_generates_the_hosts_tokens():
     assert device == host
 
 
-def test_a_top_k_generation_takes_the_devices_best_and_draws_the_hosts_tokens():
-    """Steps of a top_k law (with top_p) as generate() takes them: the k + 1 best from the device's top-k of each
-    step's logits, drawn on the host; the same tokens as drawing from each step's whole row with the same seed."""
-    m = model("small")
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5)
-    m.load(State())
-    sampler = Sampler(params)
-    host = [sampler(m.engine.prefill([3, 1, 4]))]
-    for _ in range(15):
-        host.append(sampler(m.engine.decode(host[-1])))
-    m.load(State())
-    sampler = Sampler(params)
-    device = [sampler(m.engine.prefill([3, 1, 4]))]
-    for _ in range(15):
-        ids, values = m.engine.decode_top_k(device[-1], params.top_k + 1)
-        device.append(sampler.draw_top_k(ids, values, m.engine.step_logits))
-    assert device == host
+DEVICE_BEST = {
+    "top_k": (SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5),
+              lambda e, s, t: s.draw_top_k(*e.decode_top_k(t, s.params.top_k + 1), e.step_logits)),
+    "top_p": (SamplingParams(temperature=0.7, top_p=0.8, seed=6),
+              lambda e, s, t: s.draw_top_p(*e.decode_top_p(t, s.params.temperature, 64), e.step_logits)),
+}
 
 
-def test_top_p_draws_from_the_devices_best_and_softmax_the_hosts_tokens():
-    """A top_p law (temperature 0.7, top_p 0.8) drawn from decode_top_p's 64 best, their logits and the row's
-    softmax, the step's logits only where the nucleus reaches past them: the same tokens as drawing from each
-    step's whole row with the same seed."""
+@pytest.mark.parametrize("law", DEVICE_BEST)
+def test_top_k_and_top_p_steps_draw_from_the_devices_best_the_hosts_tokens(law):
+    """Steps of a top_k law (with top_p: decode_top_k's k + 1 best) and of top_p alone (decode_top_p's 64 best,
+    their logits and the row's softmax) as generate() takes them, drawn on the host from those, the step's logits
+    only on a tie at the k-th or a nucleus past the 64: the same tokens as drawing from each step's whole row with
+    the same seed."""
     m = model("small")
-    params = SamplingParams(temperature=0.7, top_p=0.8, seed=6)
-    m.load(State())
-    sampler = Sampler(params)
-    host = [sampler(m.engine.prefill([3, 1, 4]))]
-    for _ in range(15):
-        host.append(sampler(m.engine.decode(host[-1])))
-    m.load(State())
-    sampler = Sampler(params)
-    device = [sampler(m.engine.prefill([3, 1, 4]))]
-    for _ in range(15):
-        device.append(sampler.draw_top_p(*m.engine.decode_top_p(device[-1], 0.7, 64), m.engine.step_logits))
-    assert device == host
+    params, device_step = DEVICE_BEST[law]
+
+    def tokens(step) -> list[int]:
+        m.load(State())
+        sampler = Sampler(params)
+        out = [sampler(m.engine.prefill([3, 1, 4]))]
+        for _ in range(15):
+            out.append(step(sampler, out[-1]))
+        return out
+    assert tokens(lambda s, t: device_step(m.engine, s, t)) == tokens(lambda s, t: s(m.engine.decode(t)))
 
 
 def test_prefetch_changes_no_result():
