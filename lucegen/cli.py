@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--draft", default=None, help="DFlash draft folder (default: none, an oracle of the target's own "
                                                  "output)")
     t.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy")
-    t.add_argument("--budgets", type=int, nargs="+", default=None, help="the budgets to measure (default 2 4 8 16 "
-                                                                        "32 64, bench speculative's sweep)")
+    t.add_argument("--budgets", type=int, nargs="+", default=None, help="the budgets to measure (default 2 4 7 8 "
+                                                                        "15 16 23 31 32 63 64)")
     t.add_argument("--tokens", type=int, default=None, help="output tokens per prompt (default 64)")
     t.add_argument("--prompts", type=int, default=None, help="short code prompts, 1 to 6 (default 3)")
     t.add_argument("--repeat", type=int, default=1, help="runs per prompt and budget, the median kept (default 1)")

@@ -1,6 +1,6 @@
 """`lucegen tune`: the DDTree budget (a spec's tuning.ddtree.budget) measured on this machine, written into the spec.
 
-    lucegen tune --spec h200 [--model M] [--draft D] [--backend cuda|numpy] [--budgets 2 4 8 16 32 64] [--write]
+    lucegen tune --spec h200 [--model M] [--draft D] [--backend cuda|numpy] [--budgets 2 4 7 8 ...] [--write]
 
 For each budget the engine can verify (bench.speculative.fitting), greedy speculative decoding of a few short code
 prompts, each run right after a plain one (bench.speculative.against_autoregressive): tok/s and accepted length
@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .bench.speculative import (BUDGETS, DEPTH, GREEDY, PROMPT, SWEEP_ACCURACY, SWEEP_DRAFT, TOKENS, Paired,
+from .bench.speculative import BUDGETS as SWEEP_BUDGETS
+from .bench.speculative import (DEPTH, GREEDY, PROMPT, SWEEP_ACCURACY, SWEEP_DRAFT, TOKENS, Paired,
                                 against_autoregressive, fitting, sweep_draft)
+from .kernels.qgemv import XGROUP
 from .spec import ChipSpec, SpecError, load_spec, match_device
 from .spec_decode import Speculation
 
@@ -32,6 +34,7 @@ PROMPTS = (PROMPT,
            "for i, line in enumerate(lines):\n",
            "    def __repr__(self):\n        return ")
 N_PROMPTS = 3
+BUDGETS = tuple(sorted({*SWEEP_BUDGETS, *(XGROUP * i - 1 for i in (1, 2, 3, 4, 8))}))  # 2 4 7 8 15 16 23 31 32 63 64
 KEY = ("tuning", "ddtree", "budget")
 
 
