@@ -16,7 +16,7 @@
              argmax ids to the host instead (spec_verify_greedy_ms), and the pass sampled rounds make, every node
              drawn on the device (spec_verify_sampled_ms; at budget 16 also drawn on the host along an accepted
              path of up to 8 instead: host_drawn_ms); for the whole-tree verifier (TreeVerifier)
-             each kernel kind's time in that pass at BREAKDOWN_BUDGETS, timed launch by launch
+             each kernel kind's time in that pass at BREAKDOWN_BUDGETS and the spec's budget, timed launch by launch
              (verify_kernel_us_<kind>)
     draft    a cuda LayeredEngine whose target the bundled DFlash draft config fits (the 27B): the GPU draft's
              forward, context append and device top-K, the tree build, walk and commit on the real shapes, and
@@ -148,9 +148,11 @@ def fitting(engine, budgets: Sequence[int]) -> list[int]:
 
 
 def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: Sequence[int],
-           budgets: Sequence[int], repeat: int) -> tuple[dict[int, float], float | None]:
+           budgets: Sequence[int], repeat: int, breakdown: Sequence[int] = BREAKDOWN_BUDGETS
+           ) -> tuple[dict[int, float], float | None]:
     """The engine's verifier (the tree verifier of the layer-by-layer step, node by node on the megakernel's)
-    over the tree of each budget after the prompt, against one decode step there. Returns (ms by budget of the
+    over the tree of each budget after the prompt, against one decode step there; at the `breakdown` budgets also
+    kernel by kernel (verify_kernels). Returns (ms by budget of the
     pass a greedy round makes: forward_argmax where the verifier has it, else forward; the decode step's ms); ({},
     None) for an engine without a verifier."""
     if not hasattr(engine, "verifier"):
@@ -170,7 +172,7 @@ def verify(rec: Recorder, engine, name: str, prompt_ids: Sequence[int], target: 
                 greedy[b] = host_median_ms(lambda: verifier.forward_argmax(tree.tokens, tree.parents), repeat)
             if hasattr(verifier, "forward_drawn"):  # a sampled round's: every node drawn on the device
                 sampled[b] = sampled_passes(verifier, tree, repeat, host=b == SAMPLED_HOST_BUDGET)
-            if b in BREAKDOWN_BUDGETS:
+            if b in breakdown:
                 verify_kernels(rec, verifier, name, b, times[b][1])
         step_ms = host_median_ms(lambda: engine.decode(target[0]), repeat * 4)
     finally:
@@ -278,7 +280,8 @@ def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: 
           real_draft or Speculation(oracle_draft(target, len(prompt_ids), vocab, run=7), DEPTH, budget),
           f"DFlash {draft}" if real_draft else "oracle, 7 right a round", repeat)
     spec_budget = [engine.spec.tuning.ddtree.budget] if draft_parts.skip_reason(engine) is None else []
-    verify_ms, step_ms = verify(rec, engine, name, prompt_ids, target, sorted({*budgets, *spec_budget}), repeat)
+    verify_ms, step_ms = verify(rec, engine, name, prompt_ids, target, sorted({*budgets, *spec_budget}), repeat,
+                                (*BREAKDOWN_BUDGETS, *spec_budget))
     for a in accept_lengths:
         draft_fn = oracle_draft(target, len(prompt_ids), vocab, run=a - 1)
         for mode in ("ddtree", "chain"):
