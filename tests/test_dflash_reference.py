@@ -150,3 +150,26 @@ def test_speculative_decoding_with_dflash_draft_is_lossless(chain, budget):
     assert got == ref
     with pytest.raises(ValueError, match="at most block_size - 1"):
         draft_fn(PROMPT, DRAFT.block_size)
+
+
+def test_the_draft_keeps_the_context_features_between_calls(monkeypatch):
+    """A context that extends the last call's runs the target over the new tokens alone, one that does not starts
+    again: either way the log-probs of a fresh run over the whole context (up to the rounding of the chunked rule)."""
+    import lucegen.reference.dflash as dflash
+    runs = []
+
+    def counting(weights, cfg, ids, *args, **kwargs):
+        runs.append(len(ids))
+        return forward(weights, cfg, ids, *args, **kwargs)
+
+    monkeypatch.setattr(dflash, "forward", counting)
+    draft_fn, n = dflash_draft_fn(DRAFT_W, TARGET_W, DRAFT, TARGET), DRAFT.block_size - 1
+    other = [int(t) for t in np.random.default_rng(7).integers(0, TARGET.vocab_size, 9)]
+    p = PROMPT
+    for ctx in (p, p + [7], p + [7, 300, 12], p[:3] + [8, 8], p[:3] + [8, 8, 1], other):
+        out = forward(TARGET_W, TARGET, ctx[:-1], output_hidden_states=True)
+        want = draft_logprobs(DRAFT_W, TARGET_W, DRAFT, TARGET, context_features(out, DRAFT.target_layer_ids), ctx[-1])
+        np.testing.assert_allclose(draft_fn(ctx, n), want[:n], rtol=1e-4, atol=1e-4)
+    # the target's tokens a call: the first 4, then the 1 and 2 new ones; the diverged context from its start, then
+    # the 1 it grew by; a context of its own from its start
+    assert runs == [4, 1, 2, 4, 1, 8]

@@ -134,13 +134,28 @@ def draft_logprobs(draft_weights: Weights, target_weights: Weights, cfg: DraftCo
 def dflash_draft_fn(draft_weights: Weights, target_weights: Weights, cfg: DraftConfig, target_cfg: ModelConfig):
     """A spec_decode draft_fn(context_ids, n) -> [n, vocab] (n <= block_size - 1) backed by this draft.
 
-    For simplicity it reruns the target over context_ids[:-1] to get their features; an engine instead keeps the
-    features the target's verify pass produced for the accepted tokens."""
+    The target's features of context_ids[:-1] come from the reference target run over them. They are kept between
+    calls with the state that run left: a call whose context extends the last one's (speculative rounds: the
+    context grows by the accepted tokens) runs the target over the new tokens alone; any other context starts
+    again. (An engine instead keeps the features its verify pass produced for the accepted tokens.)"""
+    seen: list[int] = []
+    state = State()
+    feats = np.zeros((0, len(cfg.target_layer_ids) * target_cfg.hidden_size), np.float32)
+
+    def features(ids: list[int]) -> np.ndarray:
+        nonlocal seen, state, feats
+        if ids[:len(seen)] != seen:
+            seen, state, feats = [], State(), feats[:0]
+        if len(ids) > len(seen):
+            out = forward(target_weights, target_cfg, ids[len(seen):], state, output_hidden_states=True)
+            feats = np.concatenate([feats, context_features(out, cfg.target_layer_ids)])
+            seen = ids
+        return feats
+
     def draft(context_ids: Sequence[int], n: int) -> np.ndarray:
         if not 0 <= n <= cfg.block_size - 1:
             raise ValueError(f"the draft predicts at most block_size - 1 = {cfg.block_size - 1} tokens, asked {n}")
-        out = forward(target_weights, target_cfg, context_ids[:-1], State(), output_hidden_states=True)
-        feats = context_features(out, cfg.target_layer_ids)
+        feats = features([int(t) for t in context_ids[:-1]])
         return draft_logprobs(draft_weights, target_weights, cfg, target_cfg, feats, context_ids[-1])[:n]
 
     return draft
