@@ -67,6 +67,7 @@ GEMV_METHODS = ("ldg", "bulk")
 # the int8 GEMV/GEMM, and qgemm_tc's TcQ6K read GGUF's 210-byte blocks (~38% of the read rate; off in every spec),
 # so it was dropped rather than ported.
 TENSOR_CORE_FORMATS = ("q4_k",)
+MMA_FORMATS = ("q4_k", "q6_k")  # the formats with an int8 mma GEMM (kernels/qgemv.py's Format.mma)
 QGEMM_METHODS = ("dp4a", "mma")  # the quantized GEMM (M > 1): integer dot products, or int8 mma.sync (sm_80+)
 
 
@@ -87,6 +88,12 @@ class ModelMinBlocks:
 
 
 @dataclass(frozen=True)
+class FormatMmaFrom:
+    format: str         # a weight format the int8 mma GEMM takes (MMA_FORMATS)
+    gemm_mma_from: int  # the smallest M it takes in that format
+
+
+@dataclass(frozen=True)
 class QGemvTuning:
     """The quantized GEMV (M = 1) and small-M GEMM of kernels/qgemv.py (templates/qgemv.cuh: work split, rings)."""
     threads: int = 256
@@ -99,6 +106,7 @@ class QGemvTuning:
                               # the loads go straight into registers
     gemm: str = "dp4a"        # the GEMM (M > 1) of the formats that have both: dp4a, or mma (int8 tensor cores)
     gemm_mma_from: int = 2    # with gemm = mma: the smallest M the int8 mma GEMM takes (dp4a's M-tiles below it)
+    format_mma_from: tuple[FormatMmaFrom, ...] = ()  # formats whose mma GEMM takes calls from another M
     quad_sums: bool = False   # with gemm = mma: Q4_K's products summed by quads of lanes, not by lanes (quant.cuh's
                               # QuadSums), in the GEMV and every GEMM alike: the mma GEMM keeps a quarter of the
                               # sums (M-tiles of 24), the GEMV pays two shuffles and adds a piece
@@ -108,6 +116,10 @@ class QGemvTuning:
                               # warps (loads in flight) an SM
     model_min_blocks: tuple[ModelMinBlocks, ...] = ()  # models whose GEMVs take another floor (one that spills
                                                        # another model's shapes)
+
+    def mma_from_for(self, fmt: str) -> int:
+        """The smallest M the int8 mma GEMM takes in format `fmt` (with gemm = mma)."""
+        return next((f.gemm_mma_from for f in self.format_mma_from if f.format == fmt), self.gemm_mma_from)
 
     def min_blocks_for(self, model: str | None) -> int:
         """The GEMV's floor of blocks an SM for `model` (None: the spec's)."""
@@ -412,9 +424,16 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
     if t.qgemv.quad_sums and t.qgemv.gemm != "mma":
         _fail(source, "tuning.qgemv.quad_sums", "sums by quads serve the int8 mma GEMM (gemm: mma); the dp4a GEMM's "
               "M-tile of 8 spills with them")
-    if not 2 <= t.qgemv.gemm_mma_from <= 65:
-        _fail(source, "tuning.qgemv.gemm_mma_from", f"{t.qgemv.gemm_mma_from} must be between 2 and 65 (a tree "
-              f"verify's rows)")
+    thresholds = (("tuning.qgemv.gemm_mma_from", t.qgemv.gemm_mma_from),
+                  *((f"tuning.qgemv.format_mma_from[{i}].gemm_mma_from", f.gemm_mma_from)
+                    for i, f in enumerate(t.qgemv.format_mma_from)))
+    for key, m in thresholds:
+        if not 2 <= m <= 65:
+            _fail(source, key, f"{m} must be between 2 and 65 (a tree verify's rows)")
+    for i, f in enumerate(t.qgemv.format_mma_from):
+        if f.format not in MMA_FORMATS:
+            _fail(source, f"tuning.qgemv.format_mma_from[{i}].format", f"{f.format!r}: the int8 mma GEMM takes "
+                  f"{', '.join(MMA_FORMATS)}")
     if t.qgemv.gemm_m_tile not in (2, 4, 8, 16):
         _fail(source, "tuning.qgemv.gemm_m_tile", f"{t.qgemv.gemm_m_tile} must be 2, 4, 8 or 16")
     if t.gemv.method not in GEMV_METHODS:

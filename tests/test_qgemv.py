@@ -107,9 +107,9 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
                 gemms, mmas = gemms[:-len(tilings)], gemms[-len(tilings):]
                 assert [(t.mt, t.rows_per_block() // 16) for t in mmas] == list(tilings)
                 assert all(t.stages == qgemv.MMA_STAGES and t.mma for t in mmas)
-            # dp4a's M-tiles: each one that some M below gemm_mma_from (every M, without mma) takes
-            takes = {m: qgemv.for_rows((v, *gemms), m, q.gemm_mma_from if mma else 66).mt
-                     for m in range(2, q.gemm_mma_from if mma else q.gemm_m_tile + 1)}
+            # dp4a's M-tiles: each one that some M below the format's gemm_mma_from (every M, without mma) takes
+            first = q.mma_from_for(f.name) if mma else 66
+            takes = {m: qgemv.for_rows((v, *gemms), m, first).mt for m in range(2, first if mma else q.gemm_m_tile + 1)}
             assert [t.mt for t in gemms] == sorted(set(takes.values()))
             assert all(mt >= m or mt == max(takes.values()) for m, mt in takes.items())  # a tile holds its M, or
             # the largest takes it in M-tiles

@@ -442,12 +442,12 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     spec's gemm_m_tile (a call takes the smallest that holds its M: every activation row of a tile costs its
     products whether it exists or not); spans no longer than K's slices. With tuning.qgemv.gemm = mma, the formats
     that have it also get the GEMMs on int8 tensor cores (mma_tilings, MMA_STAGES), which calls of at least
-    gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
+    the format's gemm_mma_from rows take (for_rows), and only the M-tiles that some smaller M takes."""
     q = spec.tuning.qgemv
     slices = -(-k // fmt.slice_values)
     mma = q.gemm == "mma" and fmt.mma
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
-             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.gemm_mma_from)]
+             for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.mma_from_for(fmt.name))]
     if mma:
         gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in mma_tilings(spec, fmt)]
     gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks_for(model))
@@ -569,7 +569,7 @@ class QMatmul:
                  model: str | None = None):
         self.fmt, self.k = fmt_of(fmt), k
         self.tunings = list(kernels or tunings(spec, self.fmt, k, model))
-        self.mma_from = spec.tuning.qgemv.gemm_mma_from
+        self.mma_from = spec.tuning.qgemv.mma_from_for(self.fmt.name)
         self.sm_count = spec.chip.sm_count
         self.kernels = {t: module.kernel(t.name(self.fmt, k)) for t in self.tunings}
         self.quads = sums_by_quads(spec, self.fmt)  # how the kernels sum (emulate's quads)
