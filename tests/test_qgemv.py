@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from lucegen.codegen.build import build
 from lucegen.codegen.render import TEMPLATES_DIR
 from lucegen.kernels import qgemv
+from lucegen.spec import MMA_FORMATS
 from lucegen.model import quants
 from lucegen.model.config import load_config, tiny_config
 from lucegen.spec import list_specs, load_spec
@@ -627,3 +628,8 @@ def test_quantized_products_stay_within_the_quantization_bound(sums, n, blocks, 
     w = np.abs(quants.dequantize(raw, qgemv.fmt_of(fmt).ggml)).astype(np.float64)
     block_max = np.repeat(np.abs(x).reshape(m, -1, 32).max(axis=-1), 32, axis=1).astype(np.float64)
     assert (bound <= block_max @ w.T / 200).all()
+
+
+def test_the_spec_knows_the_formats_with_the_mma_gemm():
+    """spec.MMA_FORMATS (what tuning.qgemv.format_mma_from may name) are the formats whose Format has the mma GEMM."""
+    assert {f.name for f in qgemv.FORMATS.values() if f.mma} == set(MMA_FORMATS)
