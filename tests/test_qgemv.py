@@ -14,10 +14,9 @@ from hypothesis import given, settings, strategies as st
 from lucegen.codegen.build import build
 from lucegen.codegen.render import TEMPLATES_DIR
 from lucegen.kernels import qgemv
-from lucegen.spec import MMA_FORMATS
 from lucegen.model import quants
 from lucegen.model.config import load_config, tiny_config
-from lucegen.spec import list_specs, load_spec
+from lucegen.spec import MMA_FORMATS, list_specs, load_spec
 
 from test_quants import random_raw
 
