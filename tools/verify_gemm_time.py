@@ -1,5 +1,6 @@
 """The spec's quantized GEMMs (QMatmul: the int8 mma from each format's first M, tuning.qgemv.gemm_mma_from or
-format_mma_from; dp4a's M-tiles below it) on the 27B's projection shapes at a tree verify's M, for A/B runs of kernel variants (a lab copy of the tree each, run from its root):
+format_mma_from; dp4a's M-tiles below it) on the 27B's projection shapes at a tree verify's M, for A/B runs of
+kernel variants (a lab copy of the tree each, run from its root):
 
     python3 tools/verify_gemm_time.py [spec] [M,M,...] [fmt:label,...]
 
