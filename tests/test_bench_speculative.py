@@ -126,6 +126,15 @@ def test_draft_bytes_on_the_27b_draft():
     assert dp.draft_append_bytes(cfg, 8) == 2 * (5120 * 25600 + 5 * 2048 * 5120) + 4 * 8 * 25600
 
 
+def test_a_gemm_launch_reads_its_bf16_weight_rows():
+    from lucegen.bench import draft_parts as dp
+    x, w, y = object(), object(), object()  # tensor maps or arrays: not counted
+    # the launch's arguments (x, w, y, M, N, K, ...): N x K bf16 weights, whatever M and the split's extras
+    assert dp.gemm_weight_bytes((x, w, y, 16, 6144, 5120)) == 2 * 6144 * 5120
+    assert dp.gemm_weight_bytes((x, w, y, 13, 5120, 17408, object(), object())) == 2 * 5120 * 17408
+    assert dp.gemm_weight_bytes((x, w, y, True, 5)) == 0  # not a GEMM's arguments
+
+
 def test_tiled_draft_weights_have_the_checkpoint_shapes():
     from lucegen.bench import draft_parts as dp
     from lucegen.model.draft_config import tiny_draft_config

@@ -11,6 +11,10 @@ after WARMUP, host clock around the call and a synchronize (what a round waits f
                           the prompt's context, and over LONG_CONTEXT tokens (random features); limit: the bytes
                           a forward must read (draft_forward_bytes: the draft's matrices, the target's LM head,
                           the context K/V rows) at the spec's read rate (spec.chip.read_gbs)
+    draft_kernel_us_<kind> the forward at the prompt's context again, kernel by kernel (timing.launch_times, behind
+                          replays of its graph): each kernel kind's microseconds in one forward, longest first,
+                          and for each GEMM kind its launches by name (the tile each shape took) with the weight
+                          bytes they read and their rate
     spec_draft_append_ms  append_context of one round's committed tokens (ACCEPTED: the root and the accepted draft
                           tokens, 5 x hidden features each, already on the device as the target's verify leaves
                           them); limit: draft_append_bytes at the read rate
@@ -47,7 +51,7 @@ from ..model.draft_config import DraftConfig
 from ..reference.dflash import draft_weight_shapes
 from ..reference.weights import tensor_rng
 from ..spec_decode import build_tree, chosen, walk
-from .timing import host_median_ms
+from .timing import by_kind, host_median_ms, launch_times
 
 DRAFT_CONFIG_NAME = "qwen3.5-27b-dflash-draft"
 LONG_CONTEXT = 4096  # the second context the forward is timed at (the spec's default draft window)
@@ -150,6 +154,36 @@ def round_budget(spec_budget: int, verify_ms: Mapping[int, float]) -> int | None
     return min(fits, default=None)
 
 
+def forward_kernels(rec, draft, model: str, ms: float, read_gbs: float) -> None:
+    """The draft's last forward again, kernel by kernel (its graph replayed ahead, timing.launch_times): each kind's
+    microseconds (draft_kernel_us_<kind>); per distinct kernel of the prefill GEMM (the draft's projections, by
+    their tile) the bf16 weight bytes its launches read (N x K x 2 from their arguments) and the rate that makes."""
+    launches = launch_times(draft.enqueue, draft.graph, ms, draft.stream)
+    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
+    total = sum(us for _, (us, _, _) in kinds)
+    print(f"  draft forward kernel by kernel ({total:.0f} us timed one by one, {ms * 1e3:.0f} us the graph):")
+    for kind, (us, n, _) in kinds:
+        print(f"    {kind:<28} {n:>5} launches {us:>9.1f} us {us / total:>6.1%}")
+        rec.record(f"draft_kernel_us_{kind}", model, us, "us", None, launches=n, share=round(us / total, 3))
+    gemms: dict[str, list] = {}
+    for name, args, us in launches:
+        if name.startswith("gemm"):
+            g = gemms.setdefault(name, [0.0, 0, 0])
+            g[0] += us
+            g[1] += 1
+            g[2] += gemm_weight_bytes(args)
+    for name, (us, n, nbytes) in sorted(gemms.items(), key=lambda kv: -kv[1][0]):
+        print(f"      {name:<40} {n:>3} launches {us:>8.1f} us  {nbytes / 1e6:>7.1f} MB  "
+              f"{nbytes / (us * 1e3):>6.0f} GB/s ({nbytes / (us * 1e3) / read_gbs:.0%} of {read_gbs:.0f})")
+
+
+def gemm_weight_bytes(args: tuple) -> int:
+    """The bf16 weight bytes a prefill GEMM launch reads: N x K x 2 from its arguments (kernels/gemm.py's launch:
+    A, W, Y, M, N, K, ...); 0 where the arguments are not that."""
+    ints = [a for a in args if isinstance(a, (int, np.integer)) and not isinstance(a, bool)]
+    return 2 * int(ints[1]) * int(ints[2]) if len(ints) >= 3 else 0
+
+
 def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[int, float], step_ms: float | None,
         oracle: Mapping | None = None) -> dict | None:
     """Measure and record the parts above beside `engine` (prefilled again here, reset after). verify_ms: bench
@@ -198,6 +232,7 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
         draft_ms = {}
         draft.append_context(rng.standard_normal((P, cfg.fc_in), dtype=np.float32), 0)
         draft_ms[P] = (draft.n_ctx, timed_ms(lambda: forward(P)))
+        forward_kernels(rec, draft, model, draft_ms[P][1], read)
         k_tree = min(budget, tk.max_k, V)
         top = {k: topk.device_topk(tk, draft.logits, depth, V, k, stream=draft.stream) for k in (k_tree, 1)}
         topk_ms = {k: timed_ms(lambda: topk.device_topk(tk, draft.logits, depth, V, k, stream=draft.stream))
