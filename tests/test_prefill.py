@@ -95,6 +95,26 @@ def test_wgmma_takes_token_n_tiles_for_the_wide_projections_of_a_short_prompt():
         assert add.tiles(520, 1024) * 2 == 96 <= h200.chip.sm_count
 
 
+def test_wgmma_takes_16_token_tiles_for_a_draft_block_alone():
+    """The DFlash draft's projections at its block of 16 tokens: the 16-token tile (64 weight rows, two blocks an
+    SM), so that the 27B draft's narrowest projection (5,120 rows) spreads over 80 blocks and its [q | k | v] over 96,
+    where 64x128 tiles made 40 and 48 (most SMs idle while the weights stream); the residual adds split K over a
+    cluster where that fills the SMs. Past 16 tokens the tile is not a candidate."""
+    h200 = load_spec("h200")
+    draft = {"qkv": (6144, 5120, "f32"), "o": (5120, 4096, "add"), "gate_up": (34816, 5120, "silu"),
+             "down": (5120, 17408, "add")}
+    for m in (1, 8, 16):
+        for name, (n, k, epilogue) in draft.items():
+            c = gemm.choose(h200, m, n, k, epilogue)
+            assert c.tokens_n and c.bm == 16 and c.most_tokens == 16, (m, name, c)
+            blocks = c.tiles(m, n) * gemm.splits(h200, c, m, n, k, epilogue)
+            assert blocks >= 0.7 * h200.chip.sm_count, (m, name, blocks)
+    for name, (n, k, epilogue) in draft.items():
+        assert gemm.choose(h200, 17, n, k, epilogue).bm != 16
+    assert gemm.splits(h200, gemm.choose(h200, 16, 5120, 4096, "add"), 16, 5120, 4096, "add") == 3  # 240 blocks
+    assert gemm.choose(h200.with_prefill(gemm="mma"), 16, 6144, 5120, "f32").bm != 16  # wgmma's only
+
+
 @pytest.mark.parametrize("spec", [s.with_prefill(gemm=m, split_k=sk) for s in all_specs() for m in gemm_methods(s)
                                   for sk in (1, 4, 8)],
                          ids=lambda s: f"{s.name}-{s.tuning.prefill.gemm}-split{s.tuning.prefill.split_k}")

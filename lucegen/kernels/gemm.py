@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,8 +52,9 @@ BK = 64          # K columns per pipeline stage
 
 MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
 
-# wgmma's token-N tiles: (tokens, consumer warpgroups of 64 weight rows, relative throughput, slices: 0, or the one
-# count of slices of K it is taken for). 176 tokens: a 520-token
+# wgmma's token-N tiles (TokenTile: tokens, consumer warpgroups of 64 weight rows, relative throughput, slices: 0, or
+# the one count of slices of K it is taken for, most tokens: 0, or the longest launch it is taken for, blocks an SM).
+# 176 tokens: a 520-token
 # prompt is 3 tiles (1.5% padding) where 64-row tiles pad to 576 and 128-row ones to 640; 192 weight rows: the 0.8B's
 # 8224-row in-projection is 43 x 3 = 129 tiles, one wave of 132 SMs. Throughputs from the GEMMs of the 0.8B and 27B
 # at 520 tokens timed in graphs on the H200 (session 13, .lab/s13_gemm.py): 176x128 is the best tile on 5120-row
@@ -62,7 +64,25 @@ MIN_SLICE = 4    # split-K: k tiles a slice of K takes at least
 # clusters of 3 or 4 do not fit the GPCs in one wave, 3,040 us). So it is taken for launches split in two only:
 # unsplit, it reads W from L2 twice as often as a 176-token tile (the 27B's gate/up at 520 tokens: 23.0 ms against
 # 20.7 on 176x192).
-TOKEN_N_TILES = ((176, 3, 1.0, 0), (176, 2, 0.9, 0), (88, 2, 0.9, 2))
+# 16 tokens (taken for launches of at most 16 tokens: the DFlash draft's block): there the weights are the bytes a
+# GEMM moves, so its tiles are narrow (64 rows, two blocks an SM: the draft's 6,144-row [q | k | v] in 96 tiles and
+# its 5,120-row residual adds in 80, split in 3 over clusters, where 64x128 tiles made 48 and 40 and left most SMs
+# idle while the weights streamed) and as deep as two blocks' shared memory lets them (11 stages on Hopper). Its
+# efficiency only ranks it among the tiles at <= 16 tokens, where any value above ~0.2 picks it (64x128 tiles hold as
+# many weight rows in 4x the area). The 27B draft's forward (session 45, an H100 with the h200 spec; log
+# results/logs/h100-s45-run1-draft-16-token-tiles.txt): 2.118 -> 2.013 ms a graph; [q | k | v] 179 -> 144 us, gate/up
+# 725 -> 681; the residual adds one by one 469 -> 528, yet in the graph 2.039 ms with 64x128 tiles for them alone.
+class TokenTile(NamedTuple):
+    tokens: int
+    consumers: int       # warpgroups of 64 weight rows
+    efficiency: float    # relative throughput (TileConfig.efficiency)
+    slices: int = 0      # TileConfig.slices
+    most_tokens: int = 0  # TileConfig.most_tokens
+    blocks: int = 1      # blocks an SM (their shared memory bounds the stages)
+
+
+TOKEN_N_TILES = (TokenTile(176, 3, 1.0), TokenTile(176, 2, 0.9), TokenTile(88, 2, 0.9, slices=2),
+                 TokenTile(16, 1, 0.5, most_tokens=16, blocks=2))
 
 # name -> (epilogue functor, output element type, what it does)
 EPILOGUES = {
@@ -92,6 +112,7 @@ class TileConfig:
     method: str = "mma"
     tokens_n: bool = False  # wgmma with the tokens on the instruction's N: bm tokens x bn = 64 wm weight rows
     slices: int = 0  # 0: any split of K (splits); else the config is taken only for launches split this many ways
+    most_tokens: int = 0  # 0: any M; else the config is taken only for launches of at most this many rows
 
     @property
     def threads(self) -> int:
@@ -113,11 +134,12 @@ class TileConfig:
 
 def _deepest(spec: ChipSpec, bm: int, bn: int, wm: int, wn: int, min_blocks: int, eff: float,
              min_stages: int = 2, max_stages: int = 4, method: str = "mma", tokens_n: bool = False,
-             slices: int = 0) -> TileConfig | None:
-    """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block, or None."""
+             slices: int = 0, most_tokens: int = 0) -> TileConfig | None:
+    """The config with the most stages (min_stages .. max_stages) whose shared memory fits a block (and, for
+    token-N tiles of more than one block an SM, lets that many share an SM's), or None."""
     for stages in range(max_stages, min_stages - 1, -1):
-        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method, tokens_n, slices)
-        if cfg.smem <= spec.chip.smem_per_block:
+        cfg = TileConfig(bm, bn, wm, wn, stages, min_blocks, eff, method, tokens_n, slices, most_tokens)
+        if cfg.smem <= spec.chip.smem_per_block and (not tokens_n or cfg.smem * min_blocks <= spec.chip.smem_per_sm):
             return cfg
     return None
 
@@ -134,9 +156,10 @@ def tile_configs(spec: ChipSpec) -> tuple[TileConfig, ...]:
     if spec.tuning.prefill.gemm == "wgmma":
         large = _deepest(spec, 128, 256, 2, 1, 1, 1.0, min_stages=3, max_stages=6, method="wgmma")
         small = _deepest(spec, 64, 128, 1, 1, 2, 0.8, method="wgmma")
-        tokens_n = tuple(c for bm, consumers, eff, slices in TOKEN_N_TILES
-                         if (c := _deepest(spec, bm, 64 * consumers, consumers, 1, 1, eff, max_stages=12,
-                                           method="wgmma", tokens_n=True, slices=slices)))
+        tokens_n = tuple(c for t in TOKEN_N_TILES
+                         if (c := _deepest(spec, t.tokens, 64 * t.consumers, t.consumers, 1, t.blocks, t.efficiency,
+                                           max_stages=12, method="wgmma", tokens_n=True, slices=t.slices,
+                                           most_tokens=t.most_tokens)))
     else:
         large = _deepest(spec, 128, 256, 2, 4, 1, 1.0, min_stages=3) or _deepest(spec, 128, 128, 2, 2, 1, 0.95)
         small = _deepest(spec, 64, 128, 2, 2, 2, 0.8)
@@ -184,10 +207,10 @@ def workspace(spec: ChipSpec) -> tuple[int, int]:
 def choose(spec: ChipSpec, m: int, n: int, k: int = BK, epilogue: str = "bf16") -> TileConfig:
     """The config with the shorter estimated time: the busiest SM's work (with the config's split of K) times the
     time of one tile; on a tie, the one with fewer slices of K (fewer partials to add across blocks). A config with
-    `slices` is a candidate only where it splits K that many ways."""
+    `slices` is a candidate only where it splits K that many ways, one with `most_tokens` only up to that many rows."""
     def cost(c: TileConfig) -> tuple[float, int]:
         s = splits(spec, c, m, n, k, epilogue)
-        if c.slices and s != c.slices:
+        if (c.slices and s != c.slices) or (c.most_tokens and m > c.most_tokens):
             return math.inf, s
         return _waves(spec, c, m, n, s) * c.bm * c.bn / c.efficiency, s
     return min(tile_configs(spec), key=cost)

@@ -191,11 +191,12 @@ def test_gemm_with_more_tiles_than_blocks_matches_numpy(gemms, method, epilogue,
     check_gemm(op, config, m, n, k, epilogue, m + n + k)
 
 
-SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584)]  # the 0.8B's out_proj and MLP down at pp520 (M, N, K)
+# the 0.8B's out_proj and MLP down at pp520, the 27B draft's o_proj at its block of 16 tokens (M, N, K)
+SPLIT_SHAPES = [(520, 1024, 2048), (520, 1024, 3584), (16, 5120, 4096)]
 
 
 # gemm.tile_configs' order; the token-N tiles are wgmma's only
-SPLIT_TILES = ["large", "small", "token_n_192", "token_n_128", "token_n_88"]
+SPLIT_TILES = ["large", "small", "token_n_192", "token_n_128", "token_n_88", "token_n_16"]
 
 
 def split_tile(spec, tile: str):
