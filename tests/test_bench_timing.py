@@ -113,6 +113,19 @@ def test_by_kind_sums_time_launches_and_flops_per_kind_in_order_of_first_launch(
     assert by_kind([]) == {}
 
 
+def test_record_kinds_records_each_kind_longest_first_with_its_share(tmp_path, capsys):
+    launches = [("rmsnorm_f32_h1024", (), 2.0), ("gemm_wg128x256_add", (), 10.0), ("rmsnorm_f32_h1024", (), 3.0),
+                ("gemm_wt16x64_add", (), 5.0)]
+    rec = Recorder(gpu="test", out=tmp_path / "r.jsonl")
+    timing.record_kinds(rec, "verify_kernel_us", "m", launches, "verify of 3 nodes", "21 us the graph", nodes=3)
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["metric"], r["value"], r["launches"], r["share"], r["nodes"]) for r in rows] == [
+        ("verify_kernel_us_gemm_add", 15.0, 2, 0.75, 3), ("verify_kernel_us_rmsnorm_f32", 5.0, 2, 0.25, 3)]
+    out = capsys.readouterr().out
+    assert "verify of 3 nodes kernel by kernel (20 us timed one by one, 21 us the graph):" in out
+    assert out.index("gemm_add") < out.index("rmsnorm_f32")
+
+
 def test_layered_step_kernel_kinds_drop_the_shape_and_keep_the_format():
     cfg = load_config("qwen3.5-27b")
     for spec in all_specs():

@@ -51,7 +51,7 @@ from ..model.draft_config import DraftConfig
 from ..reference.dflash import draft_weight_shapes
 from ..reference.weights import tensor_rng
 from ..spec_decode import build_tree, chosen, walk
-from .timing import by_kind, host_median_ms, launch_times
+from .timing import host_median_ms, launch_times, record_kinds
 
 DRAFT_CONFIG_NAME = "qwen3.5-27b-dflash-draft"
 LONG_CONTEXT = 4096  # the second context the forward is timed at (the spec's default draft window)
@@ -159,12 +159,7 @@ def forward_kernels(rec, draft, model: str, ms: float, read_gbs: float) -> None:
     microseconds (draft_kernel_us_<kind>); per distinct kernel of the prefill GEMM (the draft's projections, by
     their tile) the bf16 weight bytes its launches read (N x K x 2 from their arguments) and the rate that makes."""
     launches = launch_times(draft.enqueue, draft.graph, ms, draft.stream)
-    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
-    total = sum(us for _, (us, _, _) in kinds)
-    print(f"  draft forward kernel by kernel ({total:.0f} us timed one by one, {ms * 1e3:.0f} us the graph):")
-    for kind, (us, n, _) in kinds:
-        print(f"    {kind:<28} {n:>5} launches {us:>9.1f} us {us / total:>6.1%}")
-        rec.record(f"draft_kernel_us_{kind}", model, us, "us", None, launches=n, share=round(us / total, 3))
+    record_kinds(rec, "draft_kernel_us", model, launches, "draft forward", note=f"{ms * 1e3:.0f} us the graph")
     gemms: dict[str, list] = {}
     for name, args, us in launches:
         if name.startswith("gemm"):

@@ -47,7 +47,7 @@ from ..spec_decode.decode import DraftFn
 from . import draft_parts
 from .engines import open_engine
 from .results import Recorder
-from .timing import by_kind, host_median_ms, launch_times
+from .timing import host_median_ms, launch_times, record_kinds
 
 ACCEPT_LENGTHS = (4, 6, 8, 10)
 BUDGETS = (2, 4, 8, 16, 32, 64)
@@ -226,14 +226,8 @@ def verify_kernels(rec: Recorder, verifier, name: str, budget: int, ms: float) -
         return
     graph = step.graphs[verifier, "tree", tree.n, tree.levels]
     launches = launch_times(lambda stream: step.enqueue(tree.n, stream, mixer), graph, ms, step.stream)
-    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
-    total = sum(us for _, (us, _, _) in kinds)
-    print(f"  verify of {tree.n} nodes kernel by kernel ({total:.0f} us timed one by one, {ms * 1e3:.0f} us the "
-          f"graph with logits to the host):")
-    for kind, (us, n, _) in kinds:
-        print(f"    {kind:<28} {n:>5} launches {us:>9.1f} us {us / total:>6.1%}")
-        rec.record(f"verify_kernel_us_{kind}", name, us, "us", None, budget=budget, nodes=tree.n, launches=n,
-                   share=round(us / total, 3))
+    record_kinds(rec, "verify_kernel_us", name, launches, f"verify of {tree.n} nodes", budget=budget, nodes=tree.n,
+                 note=f"{ms * 1e3:.0f} us the graph with logits to the host")
 
 
 def run(recorder: Recorder, model: str = "tiny", backend: str = "numpy", draft: str | None = None,

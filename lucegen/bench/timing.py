@@ -1,5 +1,5 @@
 """Device-event timing: warm up long enough for the clocks to settle, repeat, take the median; and each kernel of a
-sequence of launches timed one by one (launch_times), grouped by kind (by_kind)."""
+sequence of launches timed one by one (launch_times), grouped by kind (by_kind) and recorded so (record_kinds)."""
 from __future__ import annotations
 
 import math
@@ -90,3 +90,16 @@ def by_kind(launches: Iterable[tuple[str, tuple, float]],
         k[1] += 1
         k[2] += flops(name, args)
     return kinds
+
+
+def record_kinds(rec, metric: str, model: str, launches: list[tuple[str, tuple, float]], title: str, note: str,
+                 **extra) -> None:
+    """Print launch_times' list per kernel kind, longest first (launches, microseconds, share), under "<title>
+    kernel by kernel (<their sum> us timed one by one, <note>)", and record each kind as <metric>_<kind> in
+    microseconds, with `extra`."""
+    kinds = sorted(by_kind(launches).items(), key=lambda kv: -kv[1][0])
+    total = sum(us for _, (us, _, _) in kinds)
+    print(f"  {title} kernel by kernel ({total:.0f} us timed one by one, {note}):")
+    for kind, (us, n, _) in kinds:
+        print(f"    {kind:<28} {n:>5} launches {us:>9.1f} us {us / total:>6.1%}")
+        rec.record(f"{metric}_{kind}", model, us, "us", None, **extra, launches=n, share=round(us / total, 3))
