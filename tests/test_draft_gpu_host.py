@@ -95,6 +95,28 @@ def test_the_forward_is_the_reference_draft_forward(exact, tiny):
     d.free()
 
 
+def test_a_forward_of_fewer_depths_multiplies_only_theirs(exact, tiny):
+    """forward(.., depths=n): rows 0 .. n - 1 the reference's depths 1 .. n, the rows past n not written (poisoned
+    before: the LM head's launch covers n rows), a graph per depth count, replayed when asked again."""
+    target_w, draft_w, feats = tiny
+    exact()
+    d = make_draft(target_w, draft_w)
+    d.append_context(feats[:10], 0)
+    want = draft_forward(draft_w, target_w, DRAFT, TARGET, feats[:10], draft_block(DRAFT, 77))[1:]
+    B = DRAFT.block_size
+    assert B >= 4
+    for n in (B - 2, 1, B - 1, B - 2):
+        d.logits.copy_from(np.full(d.logits.shape, np.nan, np.float32))
+        got = d.forward(77, 10, n).numpy()
+        assert relative_error(got[:n], want[:n]) < RTOL, f"{n} depths"
+        assert np.isnan(got[n:]).all(), f"{n} depths wrote rows past them"
+    assert sorted(d.graphs) == [1, B - 2, B - 1]
+    for n in (0, B):
+        with pytest.raises(ValueError, match="depths"):
+            d.forward(77, 10, n)
+    d.free()
+
+
 def test_features_on_the_device_and_a_reset(exact, tiny):
     target_w, draft_w, feats = tiny
     exact()

@@ -114,6 +114,19 @@ def test_greedy_is_plain_greedy(draft, chain):
     assert speculative_generate(WEIGHTS, CFG, PROMPT, 48, DRAFTS[draft](), budget=24, chain=chain) == REF
 
 
+@pytest.mark.parametrize("budget, chain", [(3, False), (3, True), (24, False)])
+def test_a_round_drafts_no_deeper_than_its_budget(budget, chain):
+    """A tree of `budget` nodes below the root is at most budget deep, so a round asks the draft for no more depths
+    (the GPU draft's LM head then multiplies only those rows); the output is still plain greedy's."""
+    oracle, asked = DRAFTS["perfect oracle"](), []
+
+    def draft(context, n):
+        asked.append(n)
+        return oracle(context, n)
+    assert speculative_generate(WEIGHTS, CFG, PROMPT, 48, draft, budget=budget, chain=chain) == REF
+    assert max(asked) == min(15, budget) and all(1 <= n <= budget for n in asked)
+
+
 class ArgmaxVerifier(ReferenceVerifier):
     """The reference verifier with the passes the GPU's TreeVerifier has: forward_argmax, forward_drawn (the sample
     kernel's reference), forward_top_k (topk's) and forward_rows. Records which pass each round took, and which

@@ -7,8 +7,10 @@ every TILE_ROWS: a GEMV's speed does not depend on the values, and 1.7 G fp32 no
 time) and the target engine's own embedding and LM head as it loaded them. Each time is the median of REPEAT calls
 after WARMUP, host clock around the call and a synchronize (what a round waits for):
 
-    spec_draft_ms         one forward (block of 16: last token + 15 masks, logits [15, vocab] on the device) over
-                          the prompt's context, and over LONG_CONTEXT tokens (random features); limit: the bytes
+    spec_draft_ms         one forward (block of 16: last token + 15 masks) with the LM head over the depths a round
+                          of its budget drafts (at most the budget: logits [min(15, budget), vocab] on the device)
+                          over the prompt's context, and over LONG_CONTEXT tokens (random features); also the
+                          forward of all 15 depths at the prompt's context (`depths` says which); limit: the bytes
                           a forward must read (draft_forward_bytes: the draft's matrices, the target's LM head,
                           the context K/V rows) at the spec's read rate (spec.chip.read_gbs)
     draft_kernel_us_<kind> the forward at the prompt's context again, kernel by kernel (timing.launch_times, behind
@@ -18,7 +20,7 @@ after WARMUP, host clock around the call and a synchronize (what a round waits f
     spec_draft_append_ms  append_context of one round's committed tokens (ACCEPTED: the root and the accepted draft
                           tokens, 5 x hidden features each, already on the device as the target's verify leaves
                           them); limit: draft_append_bytes at the read rate
-    spec_topk_ms          the device top-K (lucegen/kernels/topk.py) over the 15 x vocab logits, ids and log-probs
+    spec_topk_ms          the device top-K (lucegen/kernels/topk.py) over those depths' logits, ids and log-probs
                           to the host: k = the spec's DDTree budget capped at the kernel's max_k, and k = 1 (chain);
                           limit: the logits' bytes at the read rate
     spec_tree_ms          build_tree on the host from that top-K, at the round's budget (round_budget: the spec's,
@@ -154,11 +156,12 @@ def round_budget(spec_budget: int, verify_ms: Mapping[int, float]) -> int | None
     return min(fits, default=None)
 
 
-def forward_kernels(rec, draft, model: str, ms: float, read_gbs: float) -> None:
-    """The draft's last forward again, kernel by kernel (its graph replayed ahead, timing.launch_times): each kind's
+def forward_kernels(rec, draft, model: str, ms: float, read_gbs: float, depths: int) -> None:
+    """The draft's forward of `depths` depths again, kernel by kernel (its graph replayed ahead,
+    timing.launch_times): each kind's
     microseconds (draft_kernel_us_<kind>); per distinct kernel of the prefill GEMM (the draft's projections, by
     their tile) the bf16 weight bytes its launches read (N x K x 2 from their arguments) and the rate that makes."""
-    launches = launch_times(draft.enqueue, draft.graph, ms, draft.stream)
+    launches = launch_times(lambda stream: draft.enqueue(stream, depths), draft.graphs[depths], ms, draft.stream)
     record_kinds(rec, "draft_kernel_us", model, launches, "draft forward", note=f"{ms * 1e3:.0f} us the graph")
     gemms: dict[str, list] = {}
     for name, args, us in launches:
@@ -199,7 +202,8 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
 
     spec, target, W = engine.spec, engine.config, engine.weights
     cfg = DraftConfig.from_json(draft_config_path())
-    V, depth, read = target.vocab_size, cfg.block_size - 1, spec.chip.read_gbs
+    # a round of that budget drafts no deeper than the budget (speculative_round), its LM head over those rows alone
+    V, depth, read = target.vocab_size, min(cfg.block_size - 1, budget), spec.chip.read_gbs
     model = f"{name} + draft {DRAFT_CONFIG_NAME}"
     P = len(prompt_ids)
     t0 = time.perf_counter()
@@ -220,14 +224,15 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
               f"{time.perf_counter() - t0:.0f} s)")
         lm_bytes, embed_row = W.lm_head.nbytes, W.embed.nbytes // V
 
-        def forward(position: int):
-            draft.forward(root_token, position)
+        def forward(position: int, depths: int = depth):
+            draft.forward(root_token, position, depths)
             draft.wait()
 
         draft_ms = {}
         draft.append_context(rng.standard_normal((P, cfg.fc_in), dtype=np.float32), 0)
+        block_ms = timed_ms(lambda: forward(P, cfg.block_size - 1))  # every depth: the DFlash block's own
         draft_ms[P] = (draft.n_ctx, timed_ms(lambda: forward(P)))
-        forward_kernels(rec, draft, model, draft_ms[P][1], read)
+        forward_kernels(rec, draft, model, draft_ms[P][1], read, depth)
         k_tree = min(budget, tk.max_k, V)
         top = {k: topk.device_topk(tk, draft.logits, depth, V, k, stream=draft.stream) for k in (k_tree, 1)}
         topk_ms = {k: timed_ms(lambda: topk.device_topk(tk, draft.logits, depth, V, k, stream=draft.stream))
@@ -279,7 +284,10 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
         nbytes = draft_forward_bytes(cfg, lm_bytes, n_ctx, embed_row)
         limits[ctx] = limit_ms(nbytes, read)
         rec.record("spec_draft_ms", model, ms, "ms", limits[ctx], context=ctx, n_ctx=n_ctx, block=cfg.block_size,
-                   bytes=nbytes, read_gbs=read, **extra)
+                   depths=depth, bytes=nbytes, read_gbs=read, **extra)
+    rec.record("spec_draft_ms", model, block_ms, "ms", limits[P], context=P, n_ctx=draft_ms[P][0],
+               block=cfg.block_size, depths=cfg.block_size - 1, bytes=draft_forward_bytes(cfg, lm_bytes,
+               draft_ms[P][0], embed_row), read_gbs=read, **extra)
     append_limit = limit_ms(draft_append_bytes(cfg, ACCEPTED), read)
     rec.record("spec_draft_append_ms", model, append_ms, "ms", append_limit, tokens=ACCEPTED,
                features=cfg.fc_in, bytes=draft_append_bytes(cfg, ACCEPTED), **extra)
@@ -309,5 +317,6 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
     print(f"  {ACCEPTED} tokens a round ({ACCEPTED - 1} accepted + the bonus): {tok_s:.1f} tok/s"
           + (f"; the oracle draft end to end: {oracle['value']:.1f} tok/s (budget {oracle['budget']})"
              if oracle else ""))
-    print(f"  draft forward at context {LONG_CONTEXT}: {draft_ms[LONG_CONTEXT][1]:.3f} ms")
+    print(f"  draft forward at context {P}: {draft_ms[P][1]:.3f} ms for {depth} depths, {block_ms:.3f} ms for all "
+          f"{cfg.block_size - 1}; at context {LONG_CONTEXT}: {draft_ms[LONG_CONTEXT][1]:.3f} ms")
     return parts

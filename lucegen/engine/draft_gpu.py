@@ -22,15 +22,16 @@ positions).
 
 forward(last_token, position): the block [last_token, mask, ..., mask] at positions position .. position + B - 1
 (position: where last_token sits, normally the number of committed tokens) through the draft's layers, then the
-draft's final norm and the target's LM head for block rows 1 .. B - 1:
+draft's final norm and the target's LM head for block rows 1 .. n (the depths asked for, n <= B - 1: a round of
+DDTree budget b reads at most b depths, so the LM head, the largest matrix a forward reads, multiplies only those):
     x = embed(block)                                                (the target's table, its format)
     per layer:  h = norm(x) (and in bf16)
                 qkv = h [q | k | v]^T -> block_qkv (q_norm, k_norm, RoPE) -> attention over ring + block -> merge
                 x += bf16(.) o^T;  h = norm(x);  act = silu(h gate^T) (h up^T) in bf16;  x += act down^T
-    h = norm(x) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:] lm_head^T
-One CUDA graph (captured on the first forward) replays it: position, token and context length are read from the
+    h = norm(x) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:n+1] lm_head^T
+One CUDA graph a depth count (captured on its first forward) replays it: position, token and context length are read from the
 device (io = [position, block ids..., context rows]), so a forward is one small copy and one graph launch. The
-logits stay on the device, fp32 [B - 1, vocab], valid once the draft's stream is done (wait(), or later launches
+logits stay on the device, fp32 [B - 1, vocab] (rows past n as an earlier forward left them), valid once the draft's stream is done (wait(), or later launches
 on `stream`).
 """
 from __future__ import annotations
@@ -106,7 +107,7 @@ class GpuDraft:
             self.mm[fmt, k] = qgemv.QMatmul(qmods[fmt], spec, fmt, k, model=target_cfg.name)
         self.own_stream = stream is None
         self.stream = Stream(programmatic=spec.tuning.layered.pdl) if stream is None else stream
-        self.graph: Graph | None = None
+        self.graphs: dict[int, Graph] = {}  # by the depths a forward's LM head multiplies
         self.length = 0  # context tokens appended since reset()
         self._allocate()
 
@@ -227,8 +228,8 @@ class GpuDraft:
             self.length += m
 
     # ---- the forward --------------------------------------------------------------------------------------------
-    def enqueue(self, stream) -> None:
-        """Every launch of a forward (position, last token and context rows already in io)."""
+    def enqueue(self, stream, depths: int) -> None:
+        """Every launch of a forward of `depths` depths (position, last token and context rows already in io)."""
         cfg, t, k, r = self.cfg, self.target, self.kernels, self.rows_kernels
         B, H, I = cfg.block_size, cfg.hidden_size, cfg.intermediate_size
         r.embed(t.embed.parts[0].w, self.io, self.x, B, stream=stream)
@@ -251,16 +252,21 @@ class GpuDraft:
             norm(L["ln2"], h16=self.h16)
             self.gemm(self.h16, L["gate_up"], self.act16, B, 2 * I, H, "silu", stream=stream)
             self.gemm(self.act16, L["down"], residual[0], B, H, I, "add", stream=stream)
-        # the final norm of depths 1 .. B - 1 alone: the rows the LM head reads, their XBlocks in its layout of B - 1
-        h = rows(self.h, B - 1, H, 1)
-        k.rmsnorm(rows(residual[0], B - 1, H, 1), None, self.final_norm, rows(residual[1], B - 1, H, 1), h, B - 1,
+        # the final norm of depths 1 .. depths alone: the rows the LM head reads, their XBlocks in its layout
+        n = depths
+        h = rows(self.h, n, H, 1)
+        k.rmsnorm(rows(residual[0], n, H, 1), None, self.final_norm, rows(residual[1], n, H, 1), h, n,
                   stream=stream, xq=self.hq)
-        self.project(t.lm_head, h, self.logits, B - 1, stream, xq=self.hq)
+        self.project(t.lm_head, h, self.logits, n, stream, xq=self.hq)
 
-    def forward(self, last_token: int, position: int) -> DeviceArray:
-        """Device logits [block_size - 1, vocab] (fp32) of depths 1 .. B - 1 after last_token at `position`, over
-        the context appended so far (its last `window` tokens). Queued on the draft's stream (wait())."""
+    def forward(self, last_token: int, position: int, depths: int | None = None) -> DeviceArray:
+        """Device logits [block_size - 1, vocab] (fp32) after last_token at `position`, over the context appended
+        so far (its last `window` tokens): rows 0 .. depths - 1 those of depths 1 .. depths (default all B - 1).
+        Queued on the draft's stream (wait())."""
         cfg = self.cfg
+        depths = cfg.block_size - 1 if depths is None else depths
+        if not 1 <= depths <= cfg.block_size - 1:
+            raise ValueError(f"the draft predicts 1 .. block_size - 1 = {cfg.block_size - 1} depths; asked {depths}")
         if not 0 <= last_token < self.target_cfg.vocab_size:
             raise ValueError(f"token id {last_token} outside the vocabulary of {self.target_cfg.vocab_size}")
         if not 0 <= position or position + cfg.block_size > self.max_context:
@@ -271,11 +277,11 @@ class GpuDraft:
         n = np.array([self.n_ctx], np.int32)
         self._keep.append(n)
         self.n_ctx_dev.copy_from(n, stream=self.stream)
-        if self.graph is None:
+        if depths not in self.graphs:
             with Graph.capture(self.stream) as g:
-                self.enqueue(self.stream)
-            self.graph = g
-        self.graph.launch(self.stream)
+                self.enqueue(self.stream, depths)
+            self.graphs[depths] = g
+        self.graphs[depths].launch(self.stream)
         return self.logits
 
     def wait(self) -> None:
@@ -288,9 +294,9 @@ class GpuDraft:
         return self.logits.numpy()
 
     def free(self) -> None:
-        if self.graph is not None:
-            self.graph.destroy()
-            self.graph = None
+        for g in self.graphs.values():
+            g.destroy()
+        self.graphs.clear()
         flat = [self.fc, self.ctx_kv, *(v for L in self.layers for v in L.values())]
         flat += [self.hidden_norm, self.final_norm, self.k_norms, self.io, self.x, self.x_next, self.h, self.h16,
                  self.proj, self.att, self.att16, self.act16, self.q, self.bk, self.bv, self.part_o,

@@ -12,10 +12,10 @@ than the next one (the state's position set by hand, as benchmarks do) loses the
 the draft_fn then raises rather than draft from the features of other tokens.
 
 draft_fn(context_ids, n): context_ids' last token (the root, not yet in the state) at the state's position; one
-forward of the draft's block, then the best k tokens of each of the first n depths, on the device. k is the largest
-tree the engine verifies (tuning.ddtree.capacity: a tree of budget B holds at most B tokens a depth; a round's
-budget, the spec's or --budget, is at most that), at most tuning.topk.max_k; only n x k ids and log-probs reach the
-host.
+forward of the draft's block (its LM head over the first n depths alone: a round asks for at most its budget), then
+the best k tokens of each of them, on the device. k is the largest tree the engine verifies (tuning.ddtree.capacity:
+a tree of budget B holds at most B tokens a depth; a round's budget, the spec's or --budget, is at most that), at
+most tuning.topk.max_k; only n x k ids and log-probs reach the host.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class LayeredDraft:
             raise ValueError(f"the draft predicts at most block_size - 1 = {B - 1} tokens, asked {n}")
         if n == 0:
             return TopK(np.empty((0, self.k), np.int64), np.empty((0, self.k), np.float32))
-        logits = self.draft.forward(int(context_ids[-1]), position)
+        logits = self.draft.forward(int(context_ids[-1]), position, n)
         return topk.device_topk(self.topk, logits, n, self.step.cfg.vocab_size, self.k, stream=self.draft.stream)
 
     def free(self) -> None:

@@ -74,9 +74,11 @@ class ReferenceVerifier:
 def speculative_round(verifier: Verifier, context_ids: Sequence[int], n: int, draft_fn: DraftFn, budget: int,
                       sampler: Sampler, chain: bool = False) -> list[int]:
     """One round after context_ids, whose last token (the root) is not in the verifier's state yet: draft n
-    positions, one target pass over the tree, the walk, the commit of the accepted path. Returns the new tokens
-    (the accepted draft tokens, then the bonus token, the next root)."""
-    tree = build_tree(draft_fn(context_ids, n), budget, root=context_ids[-1], top_k=1 if chain else None)
+    positions (at most budget: a tree of budget nodes below the root is no deeper), one target pass over the tree,
+    the walk, the commit of the accepted path. Returns the new tokens (the accepted draft tokens, then the bonus
+    token, the next root)."""
+    tree = build_tree(draft_fn(context_ids, min(n, budget)), budget, root=context_ids[-1],
+                      top_k=1 if chain else None)
     accepted, bonus = verified_walk(verifier, tree, sampler)
     verifier.commit(accepted)
     return [tree.tokens[a] for a in accepted[1:]] + [bonus]
