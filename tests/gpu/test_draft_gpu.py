@@ -279,7 +279,7 @@ def test_past_the_window_and_features_on_the_device(small, root):
 def test_a_quantized_embedding_and_lm_head(small, root):
     """The target's tables as loaded: the Q4_K gather and the Q6_K LM head on the final norm's XBlocks, within
     2.5 x the distance activation quantization alone makes (tests/gpu/test_layered_gpu.py's bound) of the reference
-    on the dequantized tables."""
+    on the dequantized tables; and forwards of fewer depths, row for row the same bits."""
     from host_layered import ActivationQuantized
     target, cfg, _, _, target_w, draft_w, feats = small["ratio"]
     weights = LayeredWeights(QuantizedSource(target_w, target))
@@ -297,6 +297,14 @@ def test_a_quantized_embedding_and_lm_head(small, root):
     emulated = draft_forward(bf16_activations(draft_w), quantized_head, cfg, target,
                              feats[:40], draft_block(cfg, 17))[1:]
     assert rel_err(got, plain) < max(FORWARD_RTOL, 2.5 * relative_error(emulated, plain))
+    # forwards of fewer depths (a round of a smaller budget): the LM head over those rows alone, on the GEMV, the
+    # dp4a or the mma GEMM as the count asks, each row the full forward's bit for bit; the rows past them unwritten
+    for n in (1, 4, 7, 9):
+        d.logits.fill_bytes(0xFF)
+        d.forward(17, 40, n)
+        rows = d.logits_numpy()
+        np.testing.assert_array_equal(rows[:n], got[:n])
+        assert np.isnan(rows[n:]).all(), f"{n} depths wrote rows past them"
     d.free()
     weights.free()
 
