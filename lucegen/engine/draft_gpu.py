@@ -29,10 +29,10 @@ DDTree budget b reads at most b depths, so the LM head, the largest matrix a for
                 qkv = h [q | k | v]^T -> block_qkv (q_norm, k_norm, RoPE) -> attention over ring + block -> merge
                 x += bf16(.) o^T;  h = norm(x);  act = silu(h gate^T) (h up^T) in bf16;  x += act down^T
     h = norm(x) (the draft's final norm; XBlocks for a quantized LM head);  logits = h[1:n+1] lm_head^T
-One CUDA graph a depth count (captured on its first forward) replays it: position, token and context length are read from the
-device (io = [position, block ids..., context rows]), so a forward is one small copy and one graph launch. The
-logits stay on the device, fp32 [B - 1, vocab] (rows past n as an earlier forward left them), valid once the draft's stream is done (wait(), or later launches
-on `stream`).
+One CUDA graph a depth count (captured on its first forward) replays it: position, token and context length are
+read from the device (io = [position, block ids..., context rows]), so a forward is one small copy and one graph
+launch. The logits stay on the device, fp32 [B - 1, vocab] (rows past n as an earlier forward left them), valid
+once the draft's stream is done (wait(), or later launches on `stream`).
 """
 from __future__ import annotations
 
