@@ -158,9 +158,9 @@ def round_budget(spec_budget: int, verify_ms: Mapping[int, float]) -> int | None
 
 def forward_kernels(rec, draft, model: str, ms: float, read_gbs: float, depths: int) -> None:
     """The draft's forward of `depths` depths again, kernel by kernel (its graph replayed ahead,
-    timing.launch_times): each kind's
-    microseconds (draft_kernel_us_<kind>); per distinct kernel of the prefill GEMM (the draft's projections, by
-    their tile) the bf16 weight bytes its launches read (N x K x 2 from their arguments) and the rate that makes."""
+    timing.launch_times): each kind's microseconds (draft_kernel_us_<kind>); per distinct kernel of the prefill GEMM
+    (the draft's projections, by their tile) the bf16 weight bytes its launches read (N x K x 2 from their
+    arguments) and the rate that makes."""
     launches = launch_times(lambda stream: draft.enqueue(stream, depths), draft.graphs[depths], ms, draft.stream)
     record_kinds(rec, "draft_kernel_us", model, launches, "draft forward", note=f"{ms * 1e3:.0f} us the graph")
     gemms: dict[str, list] = {}

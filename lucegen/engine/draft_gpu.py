@@ -253,11 +253,10 @@ class GpuDraft:
             self.gemm(self.h16, L["gate_up"], self.act16, B, 2 * I, H, "silu", stream=stream)
             self.gemm(self.act16, L["down"], residual[0], B, H, I, "add", stream=stream)
         # the final norm of depths 1 .. depths alone: the rows the LM head reads, their XBlocks in its layout
-        n = depths
-        h = rows(self.h, n, H, 1)
-        k.rmsnorm(rows(residual[0], n, H, 1), None, self.final_norm, rows(residual[1], n, H, 1), h, n,
+        h = rows(self.h, depths, H, 1)
+        k.rmsnorm(rows(residual[0], depths, H, 1), None, self.final_norm, rows(residual[1], depths, H, 1), h, depths,
                   stream=stream, xq=self.hq)
-        self.project(t.lm_head, h, self.logits, n, stream, xq=self.hq)
+        self.project(t.lm_head, h, self.logits, depths, stream, xq=self.hq)
 
     def forward(self, last_token: int, position: int, depths: int | None = None) -> DeviceArray:
         """Device logits [block_size - 1, vocab] (fp32) after last_token at `position`, over the context appended
