@@ -86,16 +86,25 @@ __device__ __forceinline__ void store_transposed(T* y, const float (&d)[J][4], i
         for (int e = 0; e < 4; ++e) store_if(first + tile.offset(j, e, N), d[j][e], tile.in(j, e));
 }
 
+// Two adjacent columns of a row in one store.
+__device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
 // ---- epilogues: (accumulators, the warp tile's first row and column, M, N). N is even. -----------------------
 // Each also has `transposed(d, out0, tok0, M, N)` for a token-N tile's accumulators (TransposedTile). A PAIRWISE one
 // writes Y without reading it, a pair of adjacent columns at a time (`pair(r, c, Y[r][c], Y[r][c + 1], M, N)`), so
 // that a tile staged in shared memory can be stored in whole rows (gemm_wgmma.cuh's store_staged).
 
-struct StoreBf16 {  // Y [M, N] bf16
-    bf16* y;
+template <class T>
+struct StoreRows {  // Y [M, N] of T (bf16 or fp32)
+    T* y;
     static constexpr bool PAIRWISE = true;
     __device__ __forceinline__ void pair(int r, int c, float a, float b, int M, int N) const {
-        if (r < M && c < N) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r * N + c) = __floats2bfloat162_rn(a, b);
+        if (r < M && c < N) store_pair(y + (size_t)r * N + c, a, b);
     }
     template <int MI, int NI>
     __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
@@ -106,22 +115,8 @@ struct StoreBf16 {  // Y [M, N] bf16
         store_transposed(y, d, out0, tok0, M, N);
     }
 };
-
-struct StoreF32 {  // Y [M, N] fp32
-    float* y;
-    static constexpr bool PAIRWISE = true;
-    __device__ __forceinline__ void pair(int r, int c, float a, float b, int M, int N) const {
-        if (r < M && c < N) *reinterpret_cast<float2*>(y + (size_t)r * N + c) = make_float2(a, b);
-    }
-    template <int MI, int NI>
-    __device__ __forceinline__ void operator()(const float (&acc)[MI][NI][4], int row0, int col0, int M, int N) const {
-        for_each_pair(acc, row0, col0, [&](int r, int c, float a, float b) { pair(r, c, a, b, M, N); });
-    }
-    template <int J>
-    __device__ __forceinline__ void transposed(const float (&d)[J][4], int out0, int tok0, int M, int N) const {
-        store_transposed(y, d, out0, tok0, M, N);
-    }
-};
+using StoreBf16 = StoreRows<bf16>;
+using StoreF32 = StoreRows<float>;
 
 // Y [M, N] fp32 += X W^T: the residual stream after an output projection. Y is read CHUNK column tiles (8 columns
 // each) of a row group at a time, all of a chunk's loads before its stores: a store may alias a later load for all
