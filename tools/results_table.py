@@ -30,8 +30,9 @@ PROMPT_SET = re.compile(r"^(\w+)_(chain|ddtree)_tok_s$")
 def run_by(r: dict) -> str:
     """Who or what produced a row: a peer, a path through lucegen, a kernel variant (bench prefill's GEMM method
     and split-K), or lucegen as configured by its spec."""
-    if r.get("peer") or r.get("path"):
-        return r.get("peer") or r.get("path")
+    by = r.get("peer") or r.get("path")
+    if isinstance(by, str):  # (rows before path_nodes carried a tree path's length as an int "path")
+        return by
     if r.get("gemm"):
         return f"lucegen, {r['gemm']} GEMMs" + (f", split-K {r['split_k']}" if r.get("split_k", 1) > 1 else "")
     return "lucegen"

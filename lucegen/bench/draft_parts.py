@@ -298,7 +298,7 @@ def run(rec, engine, name: str, prompt_ids, root_token: int, verify_ms: Mapping[
     shape = dict(budget=budget, nodes=len(tree.tokens), **extra)
     rec.record("spec_tree_ms", model, tree_ms, "ms", None, **shape)
     rec.record("spec_walk_ms", model, walk_ms, "ms", None, **shape)
-    rec.record("spec_commit_ms", model, commit_ms, "ms", None, path=len(path), **shape)
+    rec.record("spec_commit_ms", model, commit_ms, "ms", None, path_nodes=len(path), **shape)
 
     parts = {"draft_append": append_ms, "draft": draft_ms[P][1], "topk": topk_ms[k_tree], "tree": tree_ms,
              "verify": verify_ms[budget], "walk": walk_ms, "commit": commit_ms}

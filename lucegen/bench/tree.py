@@ -96,7 +96,7 @@ def run(recorder: Recorder | None = None) -> None:
             }
             for kernel, (fn, nbytes) in calls.items():
                 us = median_ms(fn, stream, warmup_s=0.1) * 1e3
-                rec.record(f"tree_{kernel}_us", model, us, "us", floor_us(nbytes), nodes=n, path=length,
+                rec.record(f"tree_{kernel}_us", model, us, "us", floor_us(nbytes), nodes=n, path_nodes=length,
                            context=CONTEXT)
         for a in (mixed, qkv, conv_w, a_log, dt_bias, ring, state, q_norm, k_norm, out_dn, out_att, keys, values):
             a.free()
