@@ -230,7 +230,7 @@ __device__ void qgemm(const unsigned char* __restrict__ W, const unsigned char* 
 // all of them (8 warps: the 32 classes; a warp's are a quad of its block's pieces: with 8 pieces a block, warps
 // 2b, 2b + 1 take block b of each slice, with 16 (Q6_K's pairs) warps 4b .. 4b+3). For each of its pieces, row
 // tile and 8 activation rows one mma gives the integer u of 16 x 8 (row, activation) pairs at once (two, each over
-// half the piece's values, for F::SPLIT), then F::term scales it in fp32 into the class's sum, as qgemm's
+// half the piece's values, for F::SPLIT), then F::mma_term scales it in fp32 into the class's sum, as qgemm's
 // lane does (F::QUAD_SUMS: the warp's 4 classes are one quad of qgemm's lanes, so a thread adds its 4 pieces' terms
 // as the quad does and keeps one sum an output, a quarter of the registers). At the end the 32 (8) class sums of
 // each output meet in shared memory and are added in warp_sum's butterfly order.
@@ -443,10 +443,10 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
                         for (int e = 0; e < 4; ++e) {
                             const typename F::Scale& se = sc[h][tile][e / 2];
                             if constexpr (F::QUAD_SUMS) {
-                                const float tc = F::term(0.f, se, lo[e], hi[e], meta[h][e % 2]);
+                                const float tc = F::mma_term(0.f, se, lo[e], hi[e], meta[h][e % 2]);
                                 terms[e] = h ? __fadd_rn(terms[e], tc) : tc;
                             } else {
-                                acc[tile][c][nt][e] = F::term(acc[tile][c][nt][e], se, lo[e], hi[e], meta[h][e % 2]);
+                                acc[tile][c][nt][e] = F::mma_term(acc[tile][c][nt][e], se, lo[e], hi[e], meta[h][e % 2]);
                             }
                         }
                     }

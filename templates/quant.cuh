@@ -28,7 +28,8 @@
 // it goes into takes it (group_acc):
 //   acc = fl(acc + fl(dx * fl(a * u)))          (Q8_0: u = sum of q qx, a = d;
 //                                               Q6_K: u = sum of sc (q - 32) qx, its int8 scales inside, a = d:
-//                                               the bytes hold q, the XBlock's half sums take 32 qx back off)
+//                                               the GEMV's bytes hold q, the XBlock's half sums take 32 qx back
+//                                               off; the tensor cores' bytes hold q - 32)
 //   acc = fma(-b, dxv, fma(a, fl(dx * u), acc)) (the formats with mins, Q4_K, Q5_K: u = sum of q qx, a = fl(d sc),
 //                                               b = fl(dmin m); Q4_0: u = sum of q qx, a = d, b = 8 d, its offset;
 //                                               dxv = fl(dx * v), v the sum of the qx: the XBlock holds it)
@@ -52,9 +53,11 @@
 //                                      (quad: the first of the 4 lanes that hold the row, lane & ~3: they may
 //                                      pass scales round),
 //   F::SPLIT                           whether u needs the dots of the two halves (values 0-15, 16-31) apart,
-//   F::term(acc, scale, dlo, dhi, meta) acc with the piece's term added, from the dots of the halves with the
-//                                      XBlock (meta: XBlock::meta),
-// and F::dot adds its term through the same F::term.
+//   F::mma_term(acc, scale, dlo, dhi, meta) acc with the piece's term added, from the dots of mma_piece's
+//                                      halves with the XBlock (meta: XBlock::meta): F::term, where mma_piece's
+//                                      bytes are the GEMV's (F::dot adds its term through F::term); Q6_K's are
+//                                      q - 32 as signed bytes, so its u needs no half sums: two multiply-adds,
+//                                      not four, the same integer.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -440,6 +443,9 @@ struct FmtK4 {
     __device__ static float term(float acc, const Scale& sc, int dlo, int dhi, const int4& meta) {
         return group_acc(acc, __int_as_float(meta.x), sc.ds, dlo + dhi, sc.dm, __int_as_float(meta.y));
     }
+    __device__ static float mma_term(float acc, const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return term(acc, sc, dlo, dhi, meta);
+    }
     // One group: the sub-block, with its activation block. u = the sum of q qx; for Q4_K's odd pieces the bytes are
     // 16 q - 128, so their dot is 16 u - 128 v, and u = (that + 128 v) / 16, exactly (v: the XBlock's half sums).
     __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
@@ -541,6 +547,12 @@ struct FmtQ6_K {
         return group_acc(acc, __int_as_float(meta.x), sc.d,
                          sc.sc[0] * (dlo - 32 * meta.z) + sc.sc[1] * (dhi - 32 * meta.w));
     }
+    // mma_piece's bytes are q - 32: the same u with no half sums
+    __device__ static float mma_term(float acc, const Scale& sc, int dlo, int dhi, const int4& meta) {
+        return group_acc(acc, __int_as_float(meta.x), sc.d, sc.sc[0] * dlo + sc.sc[1] * dhi);
+    }
+    // each byte q (0 .. 63) as the signed byte q - 32: bits 0-4 kept, bits 5-7 set where bit 5 is clear
+    __device__ static unsigned minus32(unsigned q) { return (q & 0x1F1F1F1Fu) | ((~q & 0x20202020u) * 7u); }
     __device__ static float dot(const Piece& pc, const unsigned char* xb, float acc) {
         const XBlock& x = *reinterpret_cast<const XBlock*>(xb);
         const unsigned lo[4] = {pc.q[0], pc.q[1], pc.q[2], pc.q[3]}, hi[4] = {pc.q[4], pc.q[5], pc.q[6], pc.q[7]};
@@ -571,8 +583,8 @@ struct FmtQ6_K {
         return r;
     }
     __device__ static void mma_piece(const MmaRaw& r, int, int c, int, unsigned& lo, unsigned& hi, Scale& sc) {
-        lo = (r.n[c] & 0x0F0F0F0Fu) | ((r.h[c] << 4) & 0x30303030u);
-        hi = ((r.n[c] >> 4) & 0x0F0F0F0Fu) | (r.h[c] & 0x30303030u);
+        lo = minus32((r.n[c] & 0x0F0F0F0Fu) | ((r.h[c] << 4) & 0x30303030u));
+        hi = minus32(((r.n[c] >> 4) & 0x0F0F0F0Fu) | (r.h[c] & 0x30303030u));
         const unsigned pair = r.sc[c / 2] >> (16 * (c % 2));  // scales 2c, 2c + 1 of the quad's 8
         sc = {{static_cast<signed char>(pair & 0xFFu), static_cast<signed char>((pair >> 8) & 0xFFu)}, half_to_float(r.d)};
     }
