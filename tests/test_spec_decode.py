@@ -326,3 +326,22 @@ def test_the_oracle_hands_over_the_top_of_its_whole_distribution(vocab, run, acc
             assert -len(lps) * 2.0**-52 < rest <= (vocab - len(lps)) * np.exp(lps[-1]) + len(lps) * 2.0**-52
     if on_path and accuracy == 1 and (run is None or run > 0) and vocab > 1:
         assert top.ids[0, 0] == target[3]  # the true next token (after the 3 on the path) first
+
+
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(2, 300), accuracy=st.sampled_from([0.3, 0.8]), start=st.integers(0, 8),
+       depths=st.lists(st.integers(1, 9), min_size=2, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_the_oracles_word_on_a_position_does_not_depend_on_the_calls(vocab, accuracy, start, depths, seed):
+    """A position's rows are the same whatever the call's depth and whatever calls came before (lucegen tune's
+    budgets draft different depths a round; they must meet the same right and wrong guesses)."""
+    rng = np.random.default_rng(seed)
+    target = [int(t) for t in rng.integers(0, vocab, 20)]
+    context = [1, 2, *target[:start]]
+    alone = {n: oracle_draft(target, 2, vocab, accuracy=accuracy, seed=seed)(context, n) for n in depths}
+    shared = oracle_draft(target, 2, vocab, accuracy=accuracy, seed=seed)
+    for n in depths:
+        later = shared(context, n)
+        for top in (alone[n], later):
+            m = min(n, max(depths))
+            np.testing.assert_array_equal(top.ids[:m], alone[max(depths)].ids[:m])
+            np.testing.assert_array_equal(top.logprobs[:m], alone[max(depths)].logprobs[:m])

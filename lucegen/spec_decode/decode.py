@@ -5,6 +5,7 @@ plugs in here), or their best tokens per position (tree.TopK: all a DDTree needs
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -146,28 +147,42 @@ def oracle_draft(target: Sequence[int], prompt_len: int, vocab_size: int, accura
     token first with probability accuracy, else a random wrong token first (the true one second); below them
     ORACLE_SPREAD random tokens with random log-probs, then the rest of the vocabulary at the log-prob LOW. Off the
     target's path (after a rejected guess) its guesses are simply random.
+    Every draw of a position comes from a generator seeded by (seed, the position after the prompt), so what the
+    oracle says there does not depend on how many positions a call asks for or on the calls before: runs that
+    differ only in their trees (the budget sweep, lucegen tune) meet the same right and wrong guesses.
     run: only the first `run` positions of each call are guessed so; past them the true token ranks last (below
     LOW), out of any tree smaller than the vocabulary (with accuracy 1, every round then accepts run tokens + the bonus).
     It hands over the best ORACLE_TOP tokens of each position (a TopK, normalised log-probs), exactly the first
     columns of a stable sort of the whole distribution: building and normalising [n, vocab] rows on the host cost
     more than the GPU verify they feed."""
-    rng = np.random.default_rng(seed)
     top = min(ORACLE_TOP, vocab_size)
+    spread = min(ORACLE_SPREAD, vocab_size)
+
+    @functools.lru_cache(maxsize=None)
+    def position(i: int) -> tuple[dict[int, float], int, bool]:
+        """Position i's random tokens (token -> log-prob, not LOW), its wrong guess and whether the guess is right."""
+        rng = np.random.default_rng((seed, i))
+        ids = rng.integers(0, vocab_size, spread)
+        values = np.minimum(rng.normal(size=spread) - 4, -2.0)  # below the guesses' 0 and -1
+        wrong = int((target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size) if i < len(target) else 0
+        return dict(zip(map(int, ids), values)), wrong, bool(rng.random() < accuracy)
+
+    for i in range(len(target)):  # drawn here, not in the rounds a benchmark times
+        position(i)
 
     def draft(context: Sequence[int], n: int) -> TopK:
-        spread = rng.integers(0, vocab_size, (n, min(ORACLE_SPREAD, vocab_size)))
-        values = np.minimum(rng.normal(size=spread.shape) - 4, -2.0)  # below the guesses' 0 and -1
-        rows = [dict(zip(map(int, ids), vals)) for ids, vals in zip(spread, values)]  # token -> log-prob, not LOW
-        on_path = list(context[prompt_len:]) == list(target[:len(context) - prompt_len])
+        at = len(context) - prompt_len
+        rows = [dict(position(at + d)[0]) for d in range(n)]
+        on_path = list(context[prompt_len:]) == list(target[:at])
         for d in range(n):
-            i = len(context) - prompt_len + d
+            i = at + d
             if not on_path or i >= len(target):
                 break
             if run is not None and d >= run:
                 rows[d][int(target[i])] = LOW - 1.0
                 continue
-            wrong = (target[i] + 1 + rng.integers(vocab_size - 1)) % vocab_size
-            first, second = (target[i], wrong) if rng.random() < accuracy else (wrong, target[i])
+            _, wrong, right = position(i)
+            first, second = (target[i], wrong) if right else (wrong, target[i])
             rows[d][int(first)], rows[d][int(second)] = 0.0, -1.0
         ids, lps = np.empty((n, top), np.int64), np.empty((n, top))
         for d, row in enumerate(rows):
