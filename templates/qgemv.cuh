@@ -376,6 +376,10 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     constexpr int QUADS = F::PIECES / 4;  // a block's
     const int q = warp % QUADS;
     const int wb = warp / QUADS;  // the warp's block in every slice
+    // The ring's first slices of weights (no kernel writes them) asked of L2 before the wait: a block launched early
+    // (behind a row kernel, which lets the next kernel launch at its start) finds them there when its copies start.
+    if (warp < TILES)
+        prefetch_l2(W + tile_start(warp), min((long long)(STAGES - 1) * Q::SLICE_STEP, 16LL * Q::ROW_BYTES));
     wait_for_prior_grids();   // the activations are the kernel before's
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
