@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--backend", default="cuda", help="engine backend: cuda (the default) or numpy")
     t.add_argument("--budgets", type=int, nargs="+", default=None, help="the budgets to measure (default 2 4 7 8 "
                                                                         "15 16 23 31 32 63 64)")
-    t.add_argument("--tokens", type=int, default=None, help="output tokens per prompt (default 64)")
-    t.add_argument("--prompts", type=int, default=None, help="short code prompts, 1 to 6 (default 3)")
+    t.add_argument("--tokens", type=int, default=None, help="output tokens per prompt (default 96)")
+    t.add_argument("--prompts", type=int, default=None, help="short code prompts, 1 to 6 (default 6)")
     t.add_argument("--repeat", type=int, default=1, help="runs per prompt and budget, the median kept (default 1)")
     t.add_argument("--write", action="store_true", help="write the best budget into the spec file")
     t.set_defaults(fn=cmd_tune)

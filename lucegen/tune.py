@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .bench.speculative import BUDGETS as SWEEP_BUDGETS
-from .bench.speculative import (DEPTH, GREEDY, PROMPT, SWEEP_ACCURACY, SWEEP_DRAFT, TOKENS, Paired,
-                                against_autoregressive, fitting, sweep_draft)
+from .bench.speculative import (DEPTH, GREEDY, PROMPT, SWEEP_ACCURACY, SWEEP_DRAFT, Paired, against_autoregressive,
+                                fitting, sweep_draft)
 from .kernels.qgemv import XGROUP
 from .spec import ChipSpec, SpecError, load_spec, match_device
 from .spec_decode import Speculation
@@ -33,7 +33,10 @@ PROMPTS = (PROMPT,
            "import os\n\n\ndef walk(top):\n",
            "for i, line in enumerate(lines):\n",
            "    def __repr__(self):\n        return ")
-N_PROMPTS = 3
+# All six prompts of 96 tokens by default: on 3 x 64 the sweep picked budget 15 on an H100 where 6 x 96 picked 7 (373.1
+# tok/s against 332.4 for 15; session 49 runs 4-5): too few rounds to tell budgets apart
+N_PROMPTS = len(PROMPTS)
+TUNE_TOKENS = 96
 BUDGETS = tuple(sorted({*SWEEP_BUDGETS, *(XGROUP * i - 1 for i in (1, 2, 3, 4, 8))}))  # 2 4 7 8 15 16 23 31 32 63 64
 KEY = ("tuning", "ddtree", "budget")
 
@@ -182,7 +185,7 @@ def write_budget(path: Path, budget: int, comment: str) -> ChipSpec:
 # ---- the command ---------------------------------------------------------------------------------------------
 
 def tune(spec: str, model: str, backend: str = "cuda", draft: str | None = None, budgets: Sequence[int] = BUDGETS,
-         tokens: int = TOKENS, prompts: int = N_PROMPTS, repeat: int = 1, write: bool = False,
+         tokens: int = TUNE_TOKENS, prompts: int = N_PROMPTS, repeat: int = 1, write: bool = False,
          measure: Measure | None = None) -> int:
     """The sweep on this machine (measure: instead of measuring, for tests), its table and best budget, that budget
     written into the spec with `write`. Returns 0, or 1 when an output differed from plain decoding (nothing
