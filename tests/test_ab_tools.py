@@ -63,7 +63,7 @@ def test_the_tools_get_none_and_the_failure_on_stderr(tmp_path, child, capsys):
     assert "broken: the measurement failed" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tool", ["prefill_ab.py", "decode_ab.py", "layered_ab.py", "verify_ab.py"])
+@pytest.mark.parametrize("tool", ["prefill_ab.py", "decode_ab.py", "layered_ab.py"])
 def test_each_ab_tool_parses_its_arguments_without_a_gpu(tool):
     out = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], capture_output=True, text=True, check=True)
     assert "--trees" in out.stdout and "--rounds" in out.stdout
