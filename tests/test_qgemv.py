@@ -105,7 +105,7 @@ def test_tunings_are_the_specs_with_the_span_no_longer_than_the_row(k):
             if mma:  # tensor cores: the last kernels, the format's M-tiles and tiles of 16 rows a block; dp4a's
                 tilings = qgemv.mma_tilings(spec, f)  # M-tiles before them unless they take all M
                 gemms, mmas = gemms[:-len(tilings)], gemms[-len(tilings):]
-                assert [(t.mt, t.rows_per_block() // 16) for t in mmas] == list(tilings)
+                assert [(t.mt, t.rows_per_block() // 16, t.min_blocks) for t in mmas] == list(tilings)
                 assert all(t.stages == qgemv.MMA_STAGES and t.mma for t in mmas)
             # dp4a's M-tiles: each one that some M below the format's gemm_mma_from (every M, without mma) takes
             first = q.mma_from_for(f.name) if mma else 66

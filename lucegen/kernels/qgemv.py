@@ -38,15 +38,19 @@ XGROUP, XSLICE, XSLOT = 8, 32, 33  # quant.cuh's XBlock layout (xblock_index): g
 VERIFY_ROWS = 65   # activation rows QMatmul makes room for up front (a tree verify: the largest budget, 64, + root)
 MMA_ROWS, MMA_THREADS = 16, 256  # qgemm_mma: weight rows a tile (the mma's M), threads (a warp per 4 lane classes)
 WTILE = MMA_ROWS  # quant.cuh's: rows a tile of W as the GPU holds it, for the formats with the mma GEMM
-# qgemm_mma's kernels per format, (M-tile, row tiles of 16 a block), and their ring depth; a call takes the one
-# with the fewest M-tiles for its M, then the smallest M-tile (for_rows). Measured on the H200, the 27B's three
-# shapes summed (results/logs/h200-s24-run1-qgemm-mma-m-tiles): Q4_K's two row tiles at mt16 (each activation fragment
-# serves both) beat one at mt24 at M = 17-32 (M=23 162 against 181 us; M=32 181 against 235); Q6_K's mt24 (one row
-# tile) beats mt16 at M = 17-24 (M=17 193 against 261; M=23 223 against 267), not at 16 (184 against 179) or 32
-# (300 against 287); mt32 (118 KB a block: one an SM) lost everywhere. Summed by quads (sums_by_quads), Q4_K's two
-# row tiles take mt24 too (QUAD_TILINGS; H100, session 38: M=23 gate/up 69.9 us against 94.3 at two M-tiles of 16).
-MMA_TILINGS = {"q4_k": ((16, 2),), "q6_k": ((16, 1), (24, 1))}
-QUAD_TILINGS = {"q4_k": ((16, 1), (16, 2), (24, 2))}
+# qgemm_mma's kernels per format, (M-tile, row tiles of 16 a block, blocks an SM at least), and their ring depth; a call
+# takes the one with the fewest M-tiles for its M, then the smallest M-tile (for_rows). Measured on the H200, the 27B's
+# three shapes summed (results/logs/h200-s24-run1-qgemm-mma-m-tiles): Q4_K's two row tiles at mt16 (each activation
+# fragment serves both) beat one at mt24 at M = 17-32 (M=23 162 against 181 us; M=32 181 against 235); Q6_K's mt24 (one
+# row tile) beats mt16 at M = 17-24 (M=17 193 against 261; M=23 223 against 267), not at 16 (184 against 179) or 32 (300
+# against 287); mt32 (118 KB a block: one an SM) lost everywhere. Summed by quads (sums_by_quads), Q4_K's two row tiles
+# take mt24 too (QUAD_TILINGS; H100, session 38: M=23 gate/up 69.9 us against 94.3 at two M-tiles of 16). An M-tile of 8
+# takes the mma GEMM's calls of up to 8 rows (a tree verify of budget 7 and less), three blocks an SM (an 85-register
+# cap, no spills): H100, h200 spec, at M = 5 / 8 (results/logs/h100-s50-run1-m8.txt) Q4_K gate/up 41.4 / 43.3 us against
+# 47.1 / 47.8 at mt16, Q6_K down 33.4 / 33.4 against 40.0 / 40.5, qkv 21.3 / 21.4 against 24.5 / 24.7 (Q4_K's qkv 16.7
+# against 15.7 the one loss); a ring of 3 or 4 lost to 2 (gate/up at M = 8 46.3 and 55.8).
+MMA_TILINGS = {"q4_k": ((8, 2, 3), (16, 2, 2)), "q6_k": ((8, 1, 3), (16, 1, 2), (24, 1, 2))}
+QUAD_TILINGS = {"q4_k": ((8, 1, 3), (8, 2, 3), (16, 1, 2), (16, 2, 2), (24, 2, 2))}
 MMA_STAGES = 2
 # A block of two row tiles shares each activation fragment between them, but halves the grid: Q4_K's gate/up (34,816
 # rows, 1,088 blocks at mt16) takes two (54.4 us at M = 16 against 67.4-74.5 in one), qkv (10,240: 320), out and down
@@ -449,13 +453,14 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
     gemms = [Tuning(q.threads, q.gemm_rows_per_warp, mt, min(q.gemm_span, slices), q.stages)
              for mt in (2, 4, 8, 16) if mt <= q.gemm_m_tile and not (mma and tile_from(mt) >= q.mma_from_for(fmt.name))]
     if mma:
-        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True) for mt, tiles in mma_tilings(spec, fmt)]
+        gemms += [Tuning(MMA_THREADS, tiles, mt, 1, MMA_STAGES, mma=True, min_blocks=floor)
+                  for mt, tiles, floor in mma_tilings(spec, fmt)]
     gemv = Tuning(q.threads, q.rows_per_warp, 1, min(q.span, slices), q.stages, min_blocks=q.min_blocks_for(model))
     return [gemv, *gemms]
 
 
-def mma_tilings(spec: ChipSpec, fmt: Format) -> tuple[tuple[int, int], ...]:
-    """(M-tile, row tiles a block) of `fmt`'s mma GEMMs in `spec`'s builds: QUAD_TILINGS' where its sums go by
+def mma_tilings(spec: ChipSpec, fmt: Format) -> tuple[tuple[int, int, int], ...]:
+    """(M-tile, row tiles a block, blocks an SM at least) of `fmt`'s mma GEMMs in `spec`'s builds: QUAD_TILINGS' where its sums go by
     quads, else MMA_TILINGS'."""
     return QUAD_TILINGS[fmt.name] if sums_by_quads(spec, fmt) else MMA_TILINGS[fmt.name]
 
