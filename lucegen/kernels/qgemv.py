@@ -55,7 +55,7 @@ MMA_STAGES = 2
 # A block of two row tiles shares each activation fragment between them, but halves the grid: Q4_K's gate/up (34,816
 # rows, 1,088 blocks at mt16) takes two (54.4 us at M = 16 against 67.4-74.5 in one), qkv (10,240: 320), out and down
 # (5,120: 160) take one (18.8 / 13.8 / 34.3 us against 19.6 / 15.0 / 37.1; H100, session 38 run 4). for_rows takes
-# the most row tiles whose grid holds FILL_BLOCKS blocks an SM: two waves of two (the mma GEMM's blocks an SM).
+# the most row tiles whose grid holds FILL_BLOCKS blocks an SM: two waves of two (the blocks an SM at M-tiles of 16).
 FILL_BLOCKS = 4
 
 
@@ -460,8 +460,8 @@ def tunings(spec: ChipSpec, fmt: Format, k: int, model: str | None = None) -> li
 
 
 def mma_tilings(spec: ChipSpec, fmt: Format) -> tuple[tuple[int, int, int], ...]:
-    """(M-tile, row tiles a block, blocks an SM at least) of `fmt`'s mma GEMMs in `spec`'s builds: QUAD_TILINGS' where its sums go by
-    quads, else MMA_TILINGS'."""
+    """(M-tile, row tiles a block, blocks an SM at least) of `fmt`'s mma GEMMs in `spec`'s builds: QUAD_TILINGS'
+    where its sums go by quads, else MMA_TILINGS'."""
     return QUAD_TILINGS[fmt.name] if sums_by_quads(spec, fmt) else MMA_TILINGS[fmt.name]
 
 
