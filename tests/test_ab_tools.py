@@ -1,6 +1,7 @@
 """tools/ab.py, the A/B tools' driver: one process per tree with that tree first on PYTHONPATH, the trees
 alternating round after round, each child's last JSON line its result; a failed child stops the run and says which
-tree; and each A/B tool's child side answers --help (its arguments parse) without a GPU."""
+tree; and each A/B tool's child side answers --help (its arguments parse) without a GPU, as do the kernel-boundary
+and pipe-rate tools (whose kernels compile here)."""
 from __future__ import annotations
 
 import importlib.util
@@ -73,3 +74,13 @@ def test_the_kernel_boundary_tool_parses_its_arguments_without_a_gpu():
     out = subprocess.run([sys.executable, str(TOOLS / "kernel_boundary.py"), "--help"], capture_output=True,
                          text=True, check=True)
     assert "--launches" in out.stdout
+
+
+def test_the_pipe_rates_tool_parses_its_arguments_and_its_kernels_compile_without_a_gpu():
+    out = subprocess.run([sys.executable, str(TOOLS / "pipe_rates.py"), "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "--warps" in out.stdout
+    spec = importlib.util.spec_from_file_location("pipe_rates", TOOLS / "pipe_rates.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.compile_source("sm_90")  # every kind's kernel, mma.sync's int8 shape included
