@@ -2,8 +2,9 @@
 GEMM's IMMA), FFMA, IMAD, the int-to-float conversion (I2FP) and its replacement by an integer and a float add
 (quant.cuh's question in session 51), each in a kernel of independent chains per thread, so that only the pipe's
 rate bounds it. Every block times its own loop with clock64; a rate is the SM's warps' instructions over the
-slowest block's cycles. For the product contracts of docs/design.md (session 51: would three IMMA chains bind the
-tensor pipe?): an IMMA is 4,096 int8 multiply-adds.
+slowest block's cycles. For weighing a kernel's instruction mix before writing it (docs/design.md, session 51:
+the verify GEMM is mostly issue-bound at 16-23 rows, and an IMAD costs the FMA pipe twice an FFMA's share): an IMMA
+is 4,096 int8 multiply-adds.
 
     python3 tools/pipe_rates.py [--iters 4096] [--warps 8 16 32]
 
