@@ -292,13 +292,14 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
     // Slice s into stage s % STAGES by the copy engine: one bulk copy a row tile and one an n-tile of activation rows
     // in use (rows past M are not copied: what their slots hold reaches only their outputs, which are dropped). Copy c
     // is lane c / 8 of warp c % 8's (a bulk copy takes warp-uniform operands, so a warp's are issued one after the
-    // other); each warp's lane 0 arrives on the stage's mbarrier with its copies' bytes. Every warp waits on it, then
-    // on the block (every warp is done with the stage refilled next).
+    // other); the lane 0 of each warp with copies (the first TILES + nts) arrives on the stage's mbarrier with its
+    // copies' bytes, and the other warps skip the issue (its reduction and proxy fence). Every warp waits on the
+    // mbarrier, then on the block (every warp is done with the stage refilled next).
     constexpr int COPIES = (TILES + NT + 7) / 8;  // a warp's copies at most
     auto* bars = reinterpret_cast<unsigned long long*>(smem + R::BARS);
     const int x_rows = min(8 * nts, M - m0);
-    const auto issue = [&](int s) {  // every warp
-        if (s >= Q::SLICES) return;
+    const auto issue = [&](int s) {  // the warps with copies (TILES + nts: lane 0 of warps 0 .., then lane 1 ..)
+        if (s >= Q::SLICES || warp >= TILES + nts) return;
         unsigned char* stage = smem + (s % STAGES) * R::STAGE_BYTES;
         const bool last = s == Q::SLICES - 1;
         const int c = warp + 8 * lane;
@@ -320,7 +321,7 @@ __device__ void qgemm_mma(const unsigned char* __restrict__ W, const unsigned ch
         if (lane < COPIES && bytes) bulk_g2s(to, from, bytes, &bars[s % STAGES]);
     };
     const auto landed = [&](int s) { mbar_wait(&bars[s % STAGES], (s / STAGES) & 1); };
-    if (threadIdx.x < STAGES) mbar_init(&bars[threadIdx.x], THREADS / 32);
+    if (threadIdx.x < STAGES) mbar_init(&bars[threadIdx.x], min(THREADS / 32, TILES + nts));
     if (threadIdx.x == 0) fence_barrier_init();
     __syncthreads();  // the barriers are initialised
 #else
