@@ -67,9 +67,10 @@ namespace lucegen {
 
 // ---- small integers to float without an int-to-float conversion ------------------------------------------------
 // The float with the bits 0x4B0000bb is 2^23 + bb (byte bb): one PRMT puts byte i of a word under that exponent,
-// and subtracting 2^23 + bias (exact: both lie in [2^23, 2^24)) leaves bb - bias as a float, exactly. Instead of
-// an I2F (a quarter- or eighth-rate instruction) and its shifts and masks. Words are masked (and shifted) first so
-// that each byte holds one value.
+// and subtracting 2^23 + bias (exact: both lie in [2^23, 2^24)) leaves bb - bias as a float, exactly: two
+// instructions instead of an I2F and the shifts and masks that would isolate the byte for it (an I2F issues at half
+// the FFMA's rate on the H100, as an IMAD does: tools/pipe_rates.py, session 52). Words are masked (and shifted)
+// first so that each byte holds one value.
 constexpr unsigned MAGIC_U = 0x4B000000u;
 constexpr float MAGIC_U_VALUE = 8388608.f;  // 2^23
 
