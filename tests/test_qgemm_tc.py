@@ -44,10 +44,16 @@ def test_reference_is_close_to_the_exact_product(fmt):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
-@pytest.mark.parametrize("m, rows", [(1, 8), (8, 8), (9, 16), (17, 32), (33, 48), (48, 48), (49, 56), (100, 104)])
-def test_padded_rows_cover_every_launch(m, rows):
-    """Launches of 48 rows, then the last one's kernel (8, 16, 32 or 48 tokens): X holds that many rows."""
-    assert qgemm_tc.padded_rows(m) == rows
+@pytest.mark.parametrize("rows, tokens", [(1, 8), (8, 8), (9, 16), (16, 16), (17, 24), (24, 24)])
+def test_a_launch_takes_the_first_kernel_that_holds_its_rows(rows, tokens):
+    assert qgemm_tc.variant(rows) == tokens
+
+
+@pytest.mark.parametrize("n, k, shares", [(34816, 5120, 1), (10240, 5120, 3), (5120, 6144, 6), (5120, 17408, 6),
+                                          (16, 256, 1), (64, 512, 2)])
+def test_k_splits_into_about_two_blocks_an_sm_and_at_most_a_share_a_super_block(n, k, shares):
+    """The 27B's Q4_K shapes on 132 SMs as session 52's prototype ran them; a small K caps the shares."""
+    assert qgemm_tc.ksplit(n, k, 132) == shares
 
 
 def test_rows_past_the_fp16_range_are_scaled_by_a_power_of_two_into_it():
@@ -72,103 +78,68 @@ def test_shape_problem_names_the_shape_and_the_format():
 @pytest.mark.parametrize("spec_name", list_specs())
 def test_kernels_compile_without_spills(tmp_path, spec_name):
     result = build(load_spec(spec_name), tiny_config(), qgemm_tc.units(load_spec(spec_name)), root=tmp_path)
-    names = {qgemm_tc.kernel_name(f, rows, tiles) for f in TENSOR_CORE_FORMATS for rows in qgemm_tc.VARIANTS
-             for tiles in qgemm_tc.TILES}
-    assert {k.name for k in result.kernels} == names | {"qgemm_tc_x16"}
+    names = {qgemm_tc.kernel_name(f, rows) for f in TENSOR_CORE_FORMATS for rows in qgemm_tc.VARIANTS}
+    assert {k.name for k in result.kernels} == names | {"qgemm_tc_x16", "qgemm_tc_reduce"}
     for k in result.kernels:
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} spills on {spec_name}"
 
 
-# ---- a numpy model of the kernel's lanes ------------------------------------------------------------------------
-# What each lane of templates/qgemm_tc.cuh holds, register by register, placed in the mma's A and B by the PTX
-# fragment layouts (mma.cuh's top comment), multiplied tile by tile and added in warp order: the kernel's index logic
-# (rows, slots, nibbles, bits, scales, X's slot order, the output's places) without a GPU.
+# ---- the repacked layout read back as the kernel reads it ------------------------------------------------------
+# Each lane's A registers of every k16 step, made from its words as TcSuperBlock does (the fp16 operations in float64,
+# rounded once as HFMA2 rounds), placed at (row, k) by the mma's A fragment layout (a0: row g, k 2t, 2t + 1; a1: row
+# g + 8; a2, a3: k + 8): every weight must land once, as dequantize_fp16's bits.
 
-def _f16(v) -> np.ndarray:
-    return np.asarray(v, np.float64).astype(np.float16)
-
-
-def _x_slots(x16: np.ndarray) -> np.ndarray:
-    """qgemm_tc_x16's order: within each 4 values, positions 1 and 2 swapped."""
-    out = x16.copy()
-    out[:, 1::4], out[:, 2::4] = x16[:, 2::4], x16[:, 1::4]
-    return out
+def _halves(u: np.ndarray) -> np.ndarray:
+    """uint32 words -> [..., 2] their fp16 halves (low first) as float64."""
+    return np.stack([u & 0xFFFF, u >> 16], -1).astype(np.uint16).view(np.float16).astype(np.float64)
 
 
-def _words(b: np.ndarray, off: int) -> int:
-    return int.from_bytes(b[off:off + 4].tobytes(), "little")
+def read_back(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    tiles, sbs = -(-n // qgemm_tc.ROWS), k // 256
+    rec = packed.view(np.uint32).reshape(tiles, sbs, qgemm_tc.SB_BYTES // 4)
+    w = np.full((tiles * 16, k), np.nan)
+    placed = np.zeros((tiles * 16, k), int)
+    f16 = lambda v: np.asarray(v, np.float64).astype(np.float16).astype(np.float64)
+    magic = lambda word, mask: _halves((word & np.uint32(mask)) | np.uint32(0x64006400))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        d, dmin = _halves(rec[:, :, 576 + 2 * g]), _halves(rec[:, :, 577 + 2 * g])  # [tile, sb, (g, g + 8)]
+        for kk in range(16):
+            c, i, j = kk // 4, kk % 4, kk // 2
+            word = rec[:, :, (32 * c + lane) * 4 + i]
+            sw = rec[:, :, 512 + 8 * g + j]
+            sc = np.stack([(sw & 0xFF) + 1024, (sw >> 16 & 0xFF) + 1024], -1).astype(np.float64)  # 1024 + sc
+            mn = np.stack([(sw >> 8 & 0xFF) + 1024, (sw >> 24) + 1024], -1).astype(np.float64)
+            s, b = f16(sc * d - 1024 * d), f16(mn * -dmin + 1024 * dmin)                # fl16(d sc), fl16(-dmin m)
+            for shift, dk in ((0, 0), (8, 8)):
+                ww = word >> np.uint32(shift)
+                lo = f16(magic(ww, 0x000F000F) - 1024)                                 # q of row g
+                hi = f16(f16(magic(ww, 0x00F000F0) * 0.0625) - 64)                      # q of row g + 8
+                for r, q in ((0, lo), (1, hi)):
+                    vals = f16(q * s[..., r, None] + b[..., r, None])                    # [tile, sb, 2]
+                    for h in range(2):
+                        rows = np.arange(tiles)[:, None] * 16 + g + 8 * r
+                        cols = np.arange(sbs)[None, :] * 256 + 16 * kk + 2 * t + dk + h
+                        w[rows, cols] = vals[..., h]
+                        placed[rows, cols] += 1
+    assert (placed == 1).all(), "a weight placed twice or never"
+    return w[:n]
 
 
-def _q4k_lane(blk: np.ndarray, t: int):
-    """A lane's A words of one Q4_K super-block of one row, mma by mma: (k offset in the super-block, (slots 2t, 2t+1
-    values, slots 2t+8, 2t+9 values)) as TcQ4K::superblock makes them."""
-    from lucegen.model.quants import _half, _scale_min_k4
-    d, dmin = _half(blk[None, 0:2])[0], _half(blk[None, 2:4])[0]
-    sc, m = _scale_min_k4(blk[None, 4:16])
-    out = []
-    for c in range(4):
-        for hf in range(2):
-            sb = 2 * c + hf
-            scale, bias = _f16(np.float32(d) * sc[0, sb]), _f16(-(np.float32(dmin) * m[0, sb]))
-            for half in range(2):  # qs word .x (values 8t..8t+3), .y (8t+4..)
-                w = _words(blk, 16 + 32 * c + 8 * t + 4 * half)
-                def pair(shift):
-                    q = [(w >> shift) & 0xF, (w >> (shift + 16)) & 0xF]
-                    return _f16(np.array(q, np.float64) * np.float64(scale) + np.float64(bias))
-                lo, hi = pair(4 * hf), pair(8 + 4 * hf)
-                out.append((32 * sb + 8 * t + 4 * half, lo, hi))
-    return out
+@pytest.mark.parametrize("n, seed", [(16, 0), (48, 1), (37, 2)])
+def test_the_repacked_layout_reads_back_as_the_fp16_weights(n, seed):
+    """Every nibble, scale, min and d where the kernel looks for it, bit for bit; rows past N (a last partial tile)
+    come back as zeros."""
+    k = 512
+    raw = rows("q4_k", n, k, seed)
+    packed = qgemm_tc.repack(raw, k)
+    assert packed.nbytes == -(-n // 16) * (k // 256) * qgemm_tc.SB_BYTES
+    got = read_back(packed, -(-n // 16) * 16, k)
+    want = qgemm_tc.dequantize_fp16(raw, "q4_k").astype(np.float64)
+    assert np.array_equal(got[:n], want)
+    assert (got[n:] == 0).all()
 
 
-def lanes_model(raw: np.ndarray, fmt: str, x: np.ndarray) -> np.ndarray:
-    """Y [M, N] as the kernel computes it, in float64 per mma (the tensor core's own sum order aside)."""
-    n, m = raw.shape[0], x.shape[0]
-    k = x.shape[1]
-    blocks, bb = k // 256, qgemm_tc.BLOCK_BYTES[fmt]
-    tokens = qgemm_tc.variant(m)
-    xs = np.zeros((tokens, k), np.float16)
-    xs[:m] = x.astype(np.float16)
-    xs = _x_slots(xs)
-    y = np.zeros((m, n))
-    for n0 in range(0, n, qgemm_tc.ROWS):
-        parts = []
-        for w in range(qgemm_tc.WARPS):
-            acc = np.zeros((16, tokens))  # D: 16 weight rows x the tokens
-            for s in range(w * blocks // qgemm_tc.WARPS, (w + 1) * blocks // qgemm_tc.WARPS):
-                per_lane = {}
-                for g in range(8):
-                    for t in range(4):
-                        for r in range(2):  # the lane's rows g and g + 8
-                            row = raw[n0 + g + 8 * r].reshape(blocks, bb)[s]
-                            per_lane[g, t, r] = _q4k_lane(row, t)
-                for j in range(len(per_lane[0, 0, 0])):  # the j-th mma of the super-block, the same in every lane
-                    a = np.zeros((16, 16))
-                    bmat = np.zeros((16, tokens))
-                    for g in range(8):
-                        for t in range(4):
-                            for r in range(2):
-                                k0, lo, hi = per_lane[g, t, r][j]
-                                a[g + 8 * r, 2 * t:2 * t + 2] = lo
-                                a[g + 8 * r, 2 * t + 8:2 * t + 10] = hi
-                            for tile in range(tokens // 8):  # B: the lane's token g of each tile, a uint2 at k0
-                                v = xs[8 * tile + g, 256 * s + k0:256 * s + k0 + 4].astype(np.float64)
-                                bmat[2 * t:2 * t + 2, 8 * tile + g] = v[0:2]
-                                bmat[2 * t + 8:2 * t + 10, 8 * tile + g] = v[2:4]
-                    acc += a @ bmat
-            parts.append(acc)
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        y[:, n0:n0 + 16] = total[:, :m].T
-    return y
-
-
-@pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
-@pytest.mark.parametrize("m", [1, 5, 9])
-def test_the_lanes_model_is_the_product(fmt, m):
-    """The lanes' registers, placed by the fragment layouts, multiply to the reference's product: every weight
-    and activation lands in the slot the other operand expects."""
-    raw = rows(fmt, 32, 512, m)
-    x = np.random.default_rng(m).standard_normal((m, 512), dtype=np.float32)
-    got, want = lanes_model(raw, fmt, x), qgemm_tc.reference(raw, fmt, x)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12
+def test_rows_that_are_not_whole_blocks_of_k_are_refused():
+    with pytest.raises(ValueError, match="rows of 2 144-byte blocks"):
+        qgemm_tc.repack(np.zeros((16, 200), np.uint8), 512)

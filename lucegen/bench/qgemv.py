@@ -60,7 +60,7 @@ def tensor_cores(rec: Recorder, spec, read_gbs: float, stream: Stream, rng: np.r
     for fmt, (label, (n, k)) in ((f, shape) for f in qgemm_tc.TENSOR_CORE_FORMATS for shape in SHAPES.items()):
         op = qgemm_tc.QGemmTC(module, spec, fmt, max(TC_MS), k)
         raw = qgemv.encode(rng.standard_normal((n, k), dtype=np.float32), fmt)
-        ws = _weights(raw, fmt, info.l2_bytes)
+        ws = [qgemm_tc.device_weights(raw, fmt) for _ in range(max(1, -(-4 * info.l2_bytes // raw.nbytes)))]
         for m in TC_MS:
             x = DeviceArray.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
             y = DeviceArray.empty((m, n), np.float32)

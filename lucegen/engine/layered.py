@@ -325,7 +325,7 @@ class LayeredEngine(Speculating):
         self.config = config
         self.spec = spec or spec_for_current_device()
         self.max_context = min(max_context or self.spec.tuning.max_context, config.max_position_embeddings)
-        self.weights = LayeredWeights(weight_source(weights, config))
+        self.weights = LayeredWeights(weight_source(weights, config), self.spec.tuning.qgemv.tensor_core_formats)
         kv = tree.kv_rows(self.spec, config)
         if kv != self.spec.tuning.kv_format:
             warnings.warn(f"{self.spec.name}: tuning.kv_format {self.spec.tuning.kv_format} is not read by the "

@@ -19,6 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..kernels import qgemm_tc
 from ..kernels.qgemv import device_weights, fmt_of
 from ..model.config import LINEAR, ModelConfig
 from ..model.gguf_file import GGUFCheckpoint, _retile, gguf_name, split_name
@@ -193,13 +194,17 @@ def fuse(matrices: list[tuple[str, np.ndarray]]) -> tuple[list[tuple[str, np.nda
 # ---- the device copy ------------------------------------------------------------------------------------------
 class LayeredWeights:
     """embed (a Projection of the embedding rows, gathered by token), lm_head, final_norm, and layers[i]: the
-    layer's Projections (lin_in/att_in, lin_out/att_out, gate_up, down) and fp32 tensors (VECTORS' keys)."""
+    layer's Projections (lin_in/att_in, lin_out/att_out, gate_up, down) and fp32 tensors (VECTORS' keys).
+    tensor_core_formats: the formats whose matrices the step multiplies on kernels/qgemm_tc.py, in its layout (the
+    embedding's gather keeps GGUF's rows, so a tied LM head in such a format gets a copy of its own)."""
 
-    def __init__(self, source: Source):
-        self.cfg, self.tiled = source.cfg, source.tiled
+    def __init__(self, source: Source, tensor_core_formats: tuple[str, ...] = ()):
+        self.cfg, self.tiled, self.tc = source.cfg, source.tiled, tensor_core_formats
         cfg = self.cfg
-        self.embed = self._projection(source, ["embed_tokens.weight"])
-        self.lm_head = self.embed if cfg.tie_word_embeddings else self._projection(source, ["lm_head.weight"])
+        self.embed = self._projection(source, ["embed_tokens.weight"], gathered=True)
+        tied = cfg.tie_word_embeddings and all(part.fmt not in self.tc for part in self.embed.parts)
+        self.lm_head = self.embed if tied else self._projection(
+            source, ["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
         self.final_norm = DeviceArray.from_numpy(source.vector("norm.weight"))
         self.layers = []
         for i, kind in enumerate(cfg.layer_types):
@@ -213,10 +218,13 @@ class LayeredWeights:
                 layer[key] = DeviceArray.from_numpy(source.vector(p + n))
             self.layers.append(layer)
 
-    @staticmethod
-    def _projection(source: Source, names: list[str]) -> Projection:
+    def _projection(self, source: Source, names: list[str], gathered: bool = False) -> Projection:
+        """The matrices' rows fused, each part in the layout its kernels read: the tensor-core GEMM's
+        (tensor_core_formats), or the qgemv kernels' (and the embedding gather's: `gathered`)."""
         runs, n, k = fuse([source.matrix(name) for name in names])
-        return Projection([Part(fmt, device_weights(rows, fmt), rows.shape[0], col) for fmt, rows, col in runs], n, k)
+        place = lambda rows, fmt: (qgemm_tc.device_weights(rows, fmt) if fmt in self.tc and not gathered
+                                   else device_weights(rows, fmt))
+        return Projection([Part(fmt, place(rows, fmt), rows.shape[0], col) for fmt, rows, col in runs], n, k)
 
     def pairs(self) -> list[tuple[str, int]]:
         """(format, K) of every projection: the qgemv kernels the step needs."""

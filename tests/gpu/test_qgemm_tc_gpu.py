@@ -37,35 +37,34 @@ def weights(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     return quantize(w, ggml_type(fmt)).reshape(n, -1)
 
 
-def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, tiles: int | None = None, offset: int = 0) -> np.ndarray:
-    """Y from the kernel, the weights `offset` bytes into their allocation."""
+def run(fmt: str, raw: np.ndarray, x: np.ndarray, k: int, w: DeviceArray | None = None) -> np.ndarray:
+    """Y from the kernel; w: raw already on the device (device_weights), else uploaded for the call."""
     mod, spec = module()
     n, m = raw.shape[0], x.shape[0]
     op = qgemm_tc.QGemmTC(mod, spec, fmt, MAX_ROWS, k)
-    w = qgemv.fmt_of(fmt).device_matrix(raw)  # the layout the kernels read (quant.cuh's wblock_offset)
-    buf = qgemv.device_bytes(np.concatenate([np.zeros(offset, np.uint8), w]))
+    buf = w or qgemm_tc.device_weights(raw, fmt)  # the layout the kernel reads (qgemm_tc.repack)
     dx = DeviceArray.from_numpy(np.ascontiguousarray(x, np.float32))
     y = DeviceArray.empty((m, n), np.float32)
     y.fill_bytes(0xFF)  # poison: an unwritten output shows as NaN
-    op(buf.view(w.shape, np.uint8, offset_bytes=offset), dx, y, n, m, tiles=tiles)
+    op(buf, dx, y, n, m)
     synchronize()
     out = y.numpy()
-    for a in (op, buf, dx, y):
+    for a in (op, dx, y, *([] if w else [buf])):
         a.free()
     return out
 
 
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
-@pytest.mark.parametrize("tiles", qgemm_tc.TILES)
 @SETTINGS
-@given(m=st.one_of(st.sampled_from([1, 2, 8, 9, 16, 17, 32, 33, 48, 49, 100]), st.integers(1, MAX_ROWS)),
-       n=st.integers(1, 320), kb=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
-def test_matches_numpy(fmt, tiles, m, n, kb, seed):
-    """Any N (a block's row tiles past it store nothing), every row-tile count."""
+@given(m=st.one_of(st.sampled_from([1, 2, 8, 9, 16, 17, 23, 24, 25, 48, 49, 100]), st.integers(1, MAX_ROWS)),
+       n=st.integers(1, 2400), kb=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
+def test_matches_numpy(fmt, m, n, kb, seed):
+    """Any N (row tiles past it store nothing), K split into shares or not (qgemm_tc.ksplit: N up to 2,400 on the
+    GPU's SMs), launches of 24 rows and a last partial one."""
     k = 256 * kb
     raw = weights(fmt, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32)
-    out = run(fmt, raw, x, k, tiles)
+    out = run(fmt, raw, x, k)
     assert np.isfinite(out).all(), "unwritten outputs"
     assert relative_error(out, qgemm_tc.reference(raw, fmt, x)) < 1e-4
 
@@ -84,24 +83,35 @@ def test_rows_past_the_fp16_range(fmt):
         assert relative_error(out[r], ref[r]) < 1e-4, f"row {r}"
 
 
-def test_misaligned_q4_k_weights_are_refused():
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        run("q4_k", weights("q4_k", 16, 256, 0), np.ones((1, 256), np.float32), 256, offset=8)
+def test_weights_not_in_the_tensor_core_layout_are_refused():
+    """GGUF's own rows (as the qgemv kernels take them) are shorter than the repacked layout: refused, not misread."""
+    mod, spec = module()
+    raw = weights("q4_k", 64, 512, 0)
+    op = qgemm_tc.QGemmTC(mod, spec, "q4_k", 1, 512)
+    w, x, y = (qgemv.device_weights(raw, "q4_k"), DeviceArray.from_numpy(np.ones((1, 512), np.float32)),
+               DeviceArray.empty((1, 64), np.float32))
+    with pytest.raises(ValueError, match="tensor-core layout"):
+        op(w, x, y, 64, 1)
+    for a in (op, w, x, y):
+        a.free()
 
 
 @pytest.mark.parametrize("fmt", TENSOR_CORE_FORMATS)
-@pytest.mark.parametrize("n, k", [(64, 1024), (5120, 5120)])
+@pytest.mark.parametrize("n, k", [(64, 1024), (5120, 5120), (34816, 5120)])
 def test_a_token_gives_the_same_bits_whatever_m_and_its_row(fmt, n, k):
-    """Each of 48 tokens alone (M = 1, the decode GEMV; each row-tile count in turn), all 48 in one launch in two
-    row orders, and in launches of 17 and 31 rows (other token-tile counts): the same bits for every token."""
+    """Each of 48 tokens alone (M = 1, the decode GEMV), all 48 (launches of 24) in two row orders, and in launches
+    of 17 and 31 rows (other token-tile counts): the same bits for every token, K split or not."""
     raw = weights(fmt, n, k, 3)
+    w = qgemm_tc.device_weights(raw, fmt)
     x = np.random.default_rng(4).standard_normal((48, k), dtype=np.float32)
-    together = run(fmt, raw, x, k)
+    together = run(fmt, raw, x, k, w)
     order = np.random.default_rng(5).permutation(48)
-    shuffled = run(fmt, raw, x[order], k, tiles=1)
-    split = np.concatenate([run(fmt, raw, x[:17], k), run(fmt, raw, x[17:], k, tiles=2)])
+    shuffled = run(fmt, raw, x[order], k, w)
+    split = np.concatenate([run(fmt, raw, x[:17], k, w), run(fmt, raw, x[17:], k, w)])
+    assert np.isfinite(together).all(), "unwritten outputs"
     for t in range(48):
-        alone = run(fmt, raw, x[t:t + 1], k, tiles=qgemm_tc.TILES[t % len(qgemm_tc.TILES)])[0]
+        alone = run(fmt, raw, x[t:t + 1], k, w)[0]
         assert np.array_equal(alone, together[t]), f"token {t}: M = 1 and M = 48 differ"
         assert np.array_equal(shuffled[np.flatnonzero(order == t)[0]], together[t]), f"token {t}: row order"
         assert np.array_equal(split[t], together[t]), f"token {t}: launches of 17 and 31 rows"
+    w.free()
