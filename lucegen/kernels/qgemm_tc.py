@@ -49,12 +49,16 @@ def variant(rows: int) -> int:
     return next(v for v in VARIANTS if rows <= v)
 
 
+def row_blocks(n: int) -> int:
+    """Blocks of WARPS row tiles an n-row matrix takes (grid.x)."""
+    return -(-n // (ROWS * WARPS))
+
+
 def ksplit(n: int, k: int, sm_count: int) -> int:
     """Shares of K's super-blocks a launch for an n x k matrix splits into (grid.y; their sums added in order by
     qgemm_tc_reduce): about two blocks an SM, at most one share a super-block. The shape's alone, never M's, so a
     token's sums are the same whatever M."""
-    blocks = -(-(-(-n // ROWS)) // WARPS)
-    return max(1, min(k // BLOCK_VALUES, 2 * sm_count // blocks))
+    return max(1, min(k // BLOCK_VALUES, 2 * sm_count // row_blocks(n)))
 
 
 def min_blocks(rows: int, spec: ChipSpec) -> int:
@@ -211,7 +215,7 @@ class QGemmTC:
             raise ValueError(f"{w} holds less than {n} x {self.k} {self.fmt} weights in the tensor-core layout "
                              f"(qgemm_tc.device_weights)")
         k, ks = self.k, ksplit(n, self.k, self.spec.chip.sm_count)
-        grid = (-(-(-(-n // ROWS)) // WARPS), ks)
+        grid = (row_blocks(n), ks)
         for m0 in range(0, m, MAX_ROWS_A_LAUNCH):
             rows = min(MAX_ROWS_A_LAUNCH, m - m0)
             x16, scale = self.x16.view((rows, k), offset_bytes=2 * m0 * k), self.scale.view(rows, offset_bytes=4 * m0)
