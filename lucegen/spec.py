@@ -148,6 +148,7 @@ class MegakernelTuning:
     weight_prefetch_tiles: int = 0  # weight tiles beyond the ring's that each block asks L2 for
     barrier_tiles: int = 0  # weight tiles a block issues into its ring while it waits at a grid barrier (0: all it has
                             # free slots for)
+    inflight_tiles: int = 0  # weight tiles a block's ring may have issued and not yet landed (0: as many as it has slots)
     model_threads: tuple[ModelThreads, ...] = ()  # models whose megakernel takes other threads
 
     def threads_for(self, model: str) -> int:
@@ -395,6 +396,8 @@ def validate(spec: ChipSpec, source: str) -> ChipSpec:
         _fail(source, "tuning.megakernel.weight_prefetch_tiles", "must be >= 0")
     if mk.barrier_tiles < 0:
         _fail(source, "tuning.megakernel.barrier_tiles", "must be >= 0 (0: no cap)")
+    if mk.inflight_tiles < 0:
+        _fail(source, "tuning.megakernel.inflight_tiles", "must be >= 0 (0: no cap)")
     _check_launch(spec, source, "tuning.norm", t.norm.threads, t.norm.blocks)
     if t.layered.row_threads and (t.layered.row_threads % 32 or not 32 <= t.layered.row_threads <= 1024):
         _fail(source, "tuning.layered.row_threads", f"{t.layered.row_threads} must be 0 (tuning.norm.threads) or a "

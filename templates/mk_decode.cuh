@@ -241,7 +241,7 @@ struct Decoder {
     static constexpr int THREADS = G::THREADS, WARPS = THREADS / 32;
     static constexpr int PHASES = 5 * M::LAYERS + 1;
     static constexpr int GATED_K = M::LIN_VALUE_DIM, ATT_K = M::ATT_NH * M::ATT_HD;
-    using Ring = TileRing<G::SLOTS, G::SLOT_BYTES, WARPS>;
+    using Ring = TileRing<G::SLOTS, G::SLOT_BYTES, WARPS, G::INFLIGHT_TILES>;
 
     using Stream = WeightStream<M, G>;
     const DecodeParams& p;

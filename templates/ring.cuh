@@ -9,8 +9,9 @@
 //
 // Protocol (tile t lives in slot t % SLOTS and is the (t / SLOTS)-th use of that slot):
 //   warp 0 is the producer (warp-uniform code): pump(source) issues the next tiles of `source` while their slots
-//   are free, without waiting; produce(source, end) issues up to tile `end`, waiting for slots. It consumes no
-//   tiles, so its waits depend on the consumers only, and theirs on it only.
+//   are free, without waiting; produce(source, end) issues up to tile `end`, waiting for slots (and, under an
+//   INFLIGHT cap, for landings). It consumes no tiles, so its waits depend on the consumers (and DRAM) only,
+//   and theirs on it only.
 //   warps 1 .. WARPS-1 consume every tile in order: take() waits for full[slot]; the warp reads its rows;
 //   release() arrives on empty[slot] (init count WARPS - 1). A warp with no rows in a tile still takes and
 //   releases it, so no warp can arrive for a later use of a slot before the earlier use is complete.
@@ -22,7 +23,7 @@
 
 namespace lucegen {
 
-template <int SLOTS, int SLOT_BYTES, int WARPS>
+template <int SLOTS, int SLOT_BYTES, int WARPS, unsigned INFLIGHT = 0>
 struct TileRing {
     static_assert(SLOT_BYTES % 128 == 0, "slots are whole 128-byte lines");
 #if __CUDA_ARCH__ >= 900
@@ -50,13 +51,20 @@ struct TileRing {
     }
 
     // Warp 0: issue tiles from `source` (source.next(src, bytes) -> false at the end of the stream) while the
-    // slot of the next tile is free, at most `most` of them.
+    // slot of the next tile is free and fewer than INFLIGHT issued tiles have not landed (0: no such cap), at most
+    // `most` of them. The cap keeps the block's copies in step with its use of them: copies queued at the memory
+    // system delay the block's (and the grid's) synchronisation loads behind them (H100, the 0.8B's tg128 with the
+    // h200 spec, us a token: 817.7 with 6 slots in flight, 812.9 at 3, 780.0 at 2, 888.6 at 1; docs/design.md,
+    // session 55). Tile issued - INFLIGHT's slot is not reused before tile issued is issued, so its full
+    // mbarrier still tells whether that tile landed.
     template <class Source>
     __device__ void pump(Source& source, unsigned most = ~0u) {
         for (unsigned n = 0; n < most; ++n) {
-            const unsigned s = issued % SLOTS;
+            const unsigned s = issued % SLOTS, back = issued - INFLIGHT;
             const bool free = issued < SLOTS || mbar_test(&empty[s], ((issued / SLOTS) - 1) & 1);
-            if (!__all_sync(0xffffffffu, free)) return;
+            const bool room = INFLIGHT == 0 || INFLIGHT >= SLOTS || issued < INFLIGHT ||
+                              mbar_test(&full[back % SLOTS], (back / SLOTS) & 1);
+            if (!__all_sync(0xffffffffu, free && room)) return;
             const void* src;
             unsigned bytes;
             if (!source.next(src, bytes)) return;

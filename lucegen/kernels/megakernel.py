@@ -345,7 +345,8 @@ class Layout:
             smem_segments=self.smem_segments, segment_bytes=SEGMENT_BYTES, stage_batch=self.stage_batch,
             threads=self.threads, blocks=self.blocks, prefetch=self.prefetch,
             weight_prefetch_tiles=self.spec.tuning.megakernel.weight_prefetch_tiles,
-            barrier_tiles=self.spec.tuning.megakernel.barrier_tiles, slots=self.slots,
+            barrier_tiles=self.spec.tuning.megakernel.barrier_tiles,
+            inflight_tiles=self.spec.tuning.megakernel.inflight_tiles, slots=self.slots,
             slot_bytes=self.slot_bytes, work_bytes=self.work_bytes, smem_bars=self.smem_bars,
             smem_work=self.smem_work, smem_scratch=self.smem_scratch, smem_bytes=self.smem_bytes,
             trace=self.traced, kernels=[(KERNEL, False), (SAMPLED_KERNEL, True)])
