@@ -96,6 +96,7 @@ def _delete(path: str):
     (_set("tuning.megakernel.threads", 100), "tuning.megakernel.threads", "multiple of 32"),
     (_set("tuning.megakernel.weight_prefetch_tiles", -1), "tuning.megakernel.weight_prefetch_tiles", ">= 0"),
     (_set("tuning.megakernel.barrier_tiles", -2), "tuning.megakernel.barrier_tiles", ">= 0"),
+    (_set("tuning.megakernel.inflight_tiles", -1), "tuning.megakernel.inflight_tiles", ">= 0"),
     (_set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b", "threads": 100}]),
      "tuning.megakernel.model_threads[0].threads", "multiple of 32"),
     (_set("tuning.megakernel.model_threads", [{"model": "qwen3.5-27b"}]), "tuning.megakernel.model_threads[0].threads",
