@@ -1,11 +1,11 @@
 // ring.cuh: a persistent block's weight stream through a ring of shared-memory slots.
 //
 // A block of a persistent kernel reads a fixed sequence of weight tiles (its rows of every matrix, phase after
-// phase, step after step). The ring keeps SLOTS tiles in flight: warp 0 issues a copy (the bulk copy engine on
-// sm_90+, cp.async below) into a slot as soon as every consumer warp has released the tile that slot held,
-// and consumers wait for a tile's bytes on the slot's `full` mbarrier. Copies run ahead of the computation by up
-// to SLOTS tiles, across phase boundaries and grid barriers, so DRAM keeps streaming while the block waits for
-// other blocks.
+// phase, step after step). The ring holds SLOTS tiles, at most INFLIGHT of them (where capped) still landing:
+// warp 0 issues a copy (the bulk copy engine on sm_90+, cp.async below) into a slot as soon as every consumer warp
+// has released the tile that slot held, and consumers wait for a tile's bytes on the slot's `full` mbarrier.
+// Copies run ahead of the computation by up to SLOTS tiles, across phase boundaries and grid barriers, so DRAM
+// keeps streaming while the block waits for other blocks.
 //
 // Protocol (tile t lives in slot t % SLOTS and is the (t / SLOTS)-th use of that slot):
 //   warp 0 is the producer (warp-uniform code): pump(source) issues the next tiles of `source` while their slots
