@@ -28,8 +28,8 @@ def chains(sass: str, kernel: str) -> list[tuple[str, ...]]:
     """Per instruction of `kernel`, its inlining chain outermost first ((path, line) frames)."""
     out, chain, in_group, inside = [], (), False, False
     for line in sass.splitlines():
-        if line.startswith(".text."):
-            inside = line == f".text.{kernel}:"
+        if line.startswith(".text.") or line.lstrip().startswith(".section"):
+            inside = line == f".text.{kernel}:"  # (its subroutines follow it inside its section)
             continue
         if not inside:
             continue
